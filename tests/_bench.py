@@ -1,0 +1,93 @@
+"""The bandwidth bench: each drill's bench cases on a GPU, against this GPU's
+measured copy ceiling and the plain-PyTorch baselines.
+
+    python tests/_bench.py --drill l1 --tree solutions   # one drill, printed as JSON
+    python tests/_bench.py --ceiling                     # the copy ceiling alone
+
+grader.py runs it in a process of its own. How it measures (METHOD.md's rules):
+- the ceiling is a 1 GiB device-to-device copy_ timed with events, outside a CUDA
+  graph (inside one, torch's copy ran 37 % slower on an H200);
+- every time is a median after warm-up; ops under ~100 us are timed as CUDA-graph
+  replays (launch gaps would dominate), longer ones with events;
+- inputs rotate over enough independent sets that the L2 cache cannot hold them;
+- GB/s counts the fewest bytes the op must move (the manifest's `bytes`).
+"""
+import argparse
+import json
+import math
+import sys
+
+import _env
+import torch
+from triton.testing import do_bench, do_bench_cudagraph
+
+import _paged
+from _manifest import drill as find_drill
+from _tree import load_drill
+
+TIERS = ((0.90, "at the roofline"), (0.75, "good"), (0.50, "fair"), (0.0, "slow"))
+
+
+def copy_ceiling_gbps(nbytes=1 << 30):
+    src = torch.randint(0, 255, (nbytes,), dtype=torch.uint8, device="cuda")
+    dst = torch.empty_like(src)
+    ms = do_bench(lambda: dst.copy_(src), warmup=50, rep=400, return_mode="median")
+    return 2 * nbytes / ms / 1e6  # read + write
+
+
+def median_ms(fn, graph):
+    """Median time of one call of fn; (ms, how it was timed)."""
+    if graph:
+        return do_bench_cudagraph(fn, rep=200, return_mode="median"), "graph replay"
+    return do_bench(fn, warmup=50, rep=400, return_mode="median"), "events"
+
+
+def tier(fraction):
+    return next(name for floor, name in TIERS if fraction >= floor)
+
+
+def bench_drill(drill_id, tree, ceiling):
+    drill = find_drill(drill_id)
+    module = load_drill(tree, drill.stem)
+    make_work = getattr(_paged, f"{drill.id}_bench")
+    l2 = torch.cuda.get_device_properties(0).L2_cache_size
+    cases = []
+    for case in drill.bench:
+        n_sets = max(1, min(32, math.ceil(4 * l2 / case.bytes)))
+        ours, baselines = make_work(module, case.params, "cuda", n_sets)
+
+        def row(fn, graph):
+            fn()  # compile and warm outside the timed region
+            torch.cuda.synchronize()
+            ms, how = median_ms(fn, graph)
+            us = ms * 1e3 / n_sets
+            gbps = case.bytes / us / 1e3
+            return dict(us=round(us, 2), gbps=round(gbps, 1), of_ceiling=round(gbps / ceiling, 4), timing=how)
+
+        result = dict(name=case.name, params=case.params, bytes=case.bytes, sets=n_sets, ours=row(ours, case.graph))
+        result["tier"] = tier(result["ours"]["of_ceiling"])
+        result["baselines"] = {name: row(fn, case.graph and graph_safe) for name, (fn, graph_safe) in baselines.items()}
+        cases.append(result)
+        del ours, baselines
+        torch.cuda.empty_cache()
+    return cases
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--drill")
+    parser.add_argument("--tree", default="solutions")
+    parser.add_argument("--ceiling", action="store_true", help="measure the copy ceiling only")
+    parser.add_argument("--ceiling-gbps", type=float, help="use this ceiling instead of measuring it")
+    args = parser.parse_args()
+    if _env.INTERPRET:
+        sys.exit("the bandwidth bench needs a CUDA GPU; here kernels run in Triton's CPU interpreter")
+    ceiling = args.ceiling_gbps or copy_ceiling_gbps()
+    out = dict(device=_env.describe(), ceiling_gbps=round(ceiling, 1))
+    if not args.ceiling:
+        out["cases"] = bench_drill(args.drill, args.tree, ceiling)
+    print(json.dumps(out))
+
+
+if __name__ == "__main__":
+    main()

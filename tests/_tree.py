@@ -1,0 +1,49 @@
+"""Which tree of drill modules runs: mine/ (default), solutions/, or any folder.
+
+Tests reach a tree only through this module (via the `drill` fixture in
+conftest.py); they never import mine/ or solutions/ directly.
+"""
+import hashlib
+import importlib.util
+import os
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+NAMED_TREES = {"mine": ROOT / "mine", "solutions": ROOT / "solutions"}
+
+
+def default_tree():
+    return os.environ.get("DRILLS_TREE", "mine")
+
+
+def tree_path(tree):
+    """'mine', 'solutions' or a path to a folder holding the same module files."""
+    path = NAMED_TREES.get(tree) or Path(tree).expanduser().resolve()
+    if not path.is_dir():
+        raise FileNotFoundError(f"tree {tree!r}: {path} is not a folder (use mine, solutions or a path)")
+    return path
+
+
+def load_drill(tree, stem):
+    """Import <tree>/<stem>.py under a name unique to that folder.
+
+    A unique name lets one process hold the same drill from two trees (the
+    meta-tests compare mine/ with solutions/).
+    """
+    path = tree_path(tree) / f"{stem}.py"
+    if not path.is_file():
+        raise FileNotFoundError(f"{path} does not exist")
+    tag = hashlib.sha1(str(path.parent).encode()).hexdigest()[:8]
+    name = f"drills_tree_{tag}_{stem}"
+    if name in sys.modules:
+        return sys.modules[name]
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module  # Triton looks kernels' globals up through the module
+    try:
+        spec.loader.exec_module(module)
+    except BaseException:
+        del sys.modules[name]
+        raise
+    return module
