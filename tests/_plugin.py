@@ -1,6 +1,9 @@
-"""The seam between the shared tests and a tree: `--tree` / DRILLS_TREE choose
-mine/ (default), solutions/ or a folder; tests get the drill module from the
-`drill` fixture and never import a tree themselves."""
+"""The seam between the shared tests and a tree (a pytest plugin that
+pyproject.toml loads with `-p _plugin`).
+
+`--tree` / DRILLS_TREE choose mine/ (default), solutions/ or a folder; tests get
+the drill module from the `drill` fixture and never import a tree themselves.
+"""
 import os
 
 import _env  # noqa: F401  -- first: sets TRITON_INTERPRET before anything imports Triton

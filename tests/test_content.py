@@ -1,0 +1,151 @@
+"""The content pages cannot rot: every number the code can check is checked here.
+
+Conventions every page follows (content/README in words, here in code):
+- numbered sections are `## N. title`; "content/<id>.md §N" anywhere in the code
+  must name one of them;
+- a citation of the reference is a link `[solutions/<stem>.py:A-B](../solutions/<stem>.py#LA-LB)`
+  followed by a ```python block that reproduces exactly lines A..B;
+- each pitfall is tagged `pitfall:<name>`;
+- a number quoted from BENCHMARKS.md stands on a line that says so, and is in BENCHMARKS.md.
+Then, per page, the worked examples and self-test answers against the references.
+"""
+import re
+from pathlib import Path
+
+import pytest
+import torch
+
+from _manifest import DRILLS
+from _paged import WORKED_EXAMPLE
+from _tree import ROOT, load_drill
+
+PAGES = {d.id: ROOT / d.page for d in DRILLS}
+CITATION = re.compile(r"\[(solutions/\w+\.py):(\d+)-(\d+)\]\(\.\./\1#L\2-L\3\)\s*\n```python\n(.*?)```", re.S)
+
+
+def page(drill_id):
+    return PAGES[drill_id].read_text()
+
+
+def sections(text):
+    return {int(n) for n in re.findall(r"^## (\d+)\. ", text, re.M)}
+
+
+@pytest.mark.parametrize("drill_id", list(PAGES))
+def test_citations_reproduce_the_cited_lines(drill_id):
+    text = page(drill_id)
+    cited = CITATION.findall(text)
+    assert cited, f"{PAGES[drill_id]} cites no line range of its solution"
+    assert len(cited) == text.count("](../solutions/"), "a citation link is not followed by its ```python block"
+    for path, first, last, shown in cited:
+        lines = (ROOT / path).read_text().splitlines()[int(first) - 1:int(last)]
+        assert shown.rstrip("\n").splitlines() == lines, (
+            f"{PAGES[drill_id].name} cites {path}:{first}-{last}, but the block it shows is not those lines now")
+
+
+def test_section_references_point_at_real_sections():
+    sources = [*ROOT.glob("mine/*.py"), *ROOT.glob("solutions/*.py"), *ROOT.glob("tests/*.py"),
+               *ROOT.glob("content/*.md")]
+    for source in sources:
+        for drill_id, number in re.findall(r"content/(\w+)\.md §(\d+)", source.read_text()):
+            assert int(number) in sections(page(drill_id)), f"{source.name} points at {drill_id}.md §{number}"
+
+
+@pytest.mark.parametrize("drill_id", list(PAGES))
+def test_page_has_a_picture_pitfalls_and_self_tests(drill_id):
+    text = page(drill_id)
+    assert "```mermaid" in text
+    assert re.search(r"`pitfall:\w+`", text)
+    assert "自测" in text
+
+
+@pytest.mark.parametrize("drill_id", list(PAGES))
+def test_benchmark_numbers_are_the_measured_ones(drill_id):
+    bench = (ROOT / "BENCHMARKS.md").read_text()
+    quoted = [line for line in page(drill_id).splitlines() if "BENCHMARKS.md" in line]
+    numbers = [n for line in quoted for n in re.findall(r"(\d[\d.,]*) ?(?:GB/s|µs|%|×)", line)]
+    for number in numbers:
+        assert number in bench, f"{drill_id}.md quotes {number} from BENCHMARKS.md, which does not hold it"
+
+
+def test_readme_table_lists_every_drill_in_order():
+    readme = (ROOT / "README.md").read_text()
+    rows = re.findall(r"^\| (\w+) \| \[([^\]]+)\]\((content/\w+\.md)\) \| `(\w+)` \|", readme, re.M)
+    assert rows == [(d.id.upper(), d.title, d.page, d.stem) for d in DRILLS]
+
+
+# --- L1 ----------------------------------------------------------------------
+
+
+def test_l1_worked_example_table():
+    """§4's table: every column recomputed from the block table on the page."""
+    text = page("l1")
+    table = eval(re.search(r"block_table = (\[\[.*?\]\])", text, re.S).group(1))
+    block_size = int(re.search(r"block_size = (\d+)", text).group(1))
+    assert (table, block_size) == (WORKED_EXAMPLE["block_table"], WORKED_EXAMPLE["block_size"])
+    rows = re.findall(r"^\| (\d+) \| (\d+) \| (\d+) \| (\d+) \| (\d+) \| (\d+) \| (\d+)·\d+ \+ \d+ = (\d+) \|", text, re.M)
+    assert len(rows) == len(WORKED_EXAMPLE["slots"])
+    solution = load_drill("solutions", "l1_paged_kv_write")
+    for token, seq, pos, logical, physical, offset, _, slot in (map(int, r) for r in rows):
+        assert (seq, pos) == (WORKED_EXAMPLE["seq_idx"][token], WORKED_EXAMPLE["positions"][token])
+        assert (logical, offset) == (pos // block_size, pos % block_size)
+        assert physical == table[seq][logical]
+        got = solution.slot_mapping(torch.tensor(table), torch.tensor([seq]), torch.tensor([pos]), block_size)
+        assert slot == int(got) == WORKED_EXAMPLE["slots"][token]
+
+
+def test_l1_self_test_slot():
+    text = page("l1")
+    q = re.search(r"自测 1.*?block_size = (\d+).*?block_table = (\[[\d, ]+\]).*?position = (\d+).*?slot = .*?= (\d+)", text, re.S)
+    block_size, table, position, answer = int(q.group(1)), eval(q.group(2)), int(q.group(3)), int(q.group(4))
+    solution = load_drill("solutions", "l1_paged_kv_write")
+    got = solution.slot_mapping(torch.tensor([table]), torch.tensor([0]), torch.tensor([position]), block_size)
+    assert int(got) == answer
+
+
+def test_l1_self_test_waste():
+    text = page("l1")
+    q = re.search(r"自测 2.*?长 (\d+) 个 token.*?block_size = (\d+).*?⌈.*?⌉ = (\d+) 个 block.*?浪费 (\d+) 个 slot"
+                  r".*?预留 (\d+) .*?浪费 (\d+) 个", text, re.S)
+    length, block_size, blocks, waste, reserved, waste_reserved = map(int, q.groups())
+    assert blocks == -(-length // block_size)
+    assert waste == blocks * block_size - length
+    assert waste_reserved == reserved - length
+
+
+def test_l1_paging_numbers():
+    """§2: pages of 16 tokens for 600 tokens: 38 blocks, 608 slots."""
+    blocks, slots = map(int, re.search(r"占 (\d+) 块、(\d+) 个 slot", page("l1")).groups())
+    block_size, used = 16, 600
+    assert blocks == -(-used // block_size) and slots == blocks * block_size
+
+
+def test_l1_self_test_offset():
+    """Self-test 3: the flat offset of (slot 13, head 3, element 5), read off a real cache tensor."""
+    q = re.search(r"自测 3.*?H = (\d+)、D = (\d+).*?slot (\d+) 里 head (\d+) 的第 (\d+) 个元素.*?= (\d+) 个元素.*?是 (\d+) 字节",
+                  page("l1"), re.S)
+    num_heads, head_size, slot, head, element, offset, nbytes = map(int, q.groups())
+    cache = torch.empty(8, 4, num_heads, head_size, dtype=torch.float16)
+    assert cache[slot // 4, slot % 4, head, element].storage_offset() == offset
+    assert offset * cache.element_size() == nbytes
+
+
+def test_l1_self_test_bytes_moved():
+    """Self-test 5 must agree with the manifest's byte count for the bench case."""
+    from _manifest import kv_write_bytes
+
+    q = re.search(r"自测 5.*?合计 (\d+) 字节.*?÷ (\d+) GB/s ≈ (\d+) µs", page("l1"), re.S)
+    total, ceiling, micros = map(int, q.groups())
+    assert total == kv_write_bytes(num_tokens=65536, num_heads=8, head_size=128, dtype="float16")
+    assert round(total / ceiling / 1e3) == micros
+
+
+@pytest.mark.parametrize("drill_id", list(PAGES))
+def test_arithmetic_on_the_page(drill_id):
+    """Every `a / b = c %` and every product `a × b × ... = c` written on a page."""
+    text = page(drill_id)
+    for a, b, c in re.findall(r"(\d+) / (\d+) = ([\d.]+) ?%", text):
+        assert 100 * int(a) / int(b) == pytest.approx(float(c), abs=0.05), f"{a} / {b} = {c} %"
+    for left, result in re.findall(r"((?:\d+[^\d×=+\n]*×\s*)+\d+)[^\d=+\n]*= (\d+)", text):
+        factors = [int(n) for n in re.findall(r"\d+", left)]
+        assert __import__("math").prod(factors) == int(result), f"{left} = {result}"
