@@ -2,7 +2,12 @@
 #   make grade                 grade mine/ (TREE=solutions or TREE=path to grade another tree; DRILL=l1 for one)
 #   make test                  the whole test suite against solutions/
 #   make bench                 the bandwidth report of solutions/ (needs a GPU)
-#   make diff DRILL=l1         your file next to the reference (TREE=path for a learner's copy)
+#   make diff DRILL=l1         your file next to the reference, side by side (TREE=path for a learner's copy)
+#   make reset DRILL=l1        back up your file to .drills/backups/, then restore the stub
+#   make hint DRILL=l1         the next hint from the drill's page
+#   make show DRILL=l1         draw the cache your code writes, next to the expected one
+#   make watch DRILL=l1        re-grade whenever your file changes
+#   make doctor                check Python, torch, Triton, numpy and the interpreter
 #   make clean                 remove .venv and caches
 
 PYTHON ?= python3
@@ -17,7 +22,7 @@ HAVE_GPU := $(shell command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev
 TORCH    ?= $(if $(HAVE_GPU),torch,torch==2.13.0)
 VENV_ARGS = $(if $(HAVE_GPU),--system-site-packages)
 
-.PHONY: setup grade test bench diff clean
+.PHONY: setup grade test bench diff reset hint show watch doctor clean
 
 setup: $(VENV)/.ready
 
@@ -38,11 +43,12 @@ test: setup
 bench: setup
 	$(PY) grader.py --tree solutions $(DRILL)
 
-diff:
-	@test -n "$(DRILL)" || { echo "usage: make diff DRILL=l1 [TREE=path]"; exit 2; }
-	@stem=$$(basename solutions/$(DRILL)_*.py .py); \
-	 if [ "$(TREE)" = mine ]; then t=mine; else t="$(TREE)"; fi; \
-	 diff -u --color=auto "solutions/$$stem.py" "$$t/$$stem.py"; true
+diff reset hint show watch: setup
+	@test -n "$(DRILL)" || { echo "usage: make $@ DRILL=l1"; exit 2; }
+	$(PY) grader.py $@ $(DRILL) --tree $(TREE)
+
+doctor: setup
+	$(PY) grader.py doctor
 
 clean:
 	rm -rf $(VENV) .hypothesis .pytest_cache

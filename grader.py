@@ -6,6 +6,8 @@ and on a GPU the bandwidth report.
     python grader.py l1                       # one drill
     python grader.py --tree solutions         # the reference solutions
     python grader.py --tree ~/alice/mine --json alice.json   # an instructor
+    python grader.py show|hint|reset|watch|diff l1, python grader.py doctor
+                                              # see tests/_commands.py
 
 Each drill runs in a process of its own with a time limit, so one broken kernel
 (exception, compile error, hang, crash) is reported for its drill and the others
@@ -25,6 +27,8 @@ ROOT = Path(__file__).resolve().parent
 sys.path.insert(0, str(ROOT / "tests"))
 
 import _env  # noqa: E402  -- first: decides CPU interpreter vs GPU
+import _commands  # noqa: E402
+import _picture  # noqa: E402
 from _manifest import DRILLS, drill as find_drill  # noqa: E402
 from _tree import default_tree, tree_path  # noqa: E402
 from rich.console import Console  # noqa: E402
@@ -118,6 +122,13 @@ def measure_ceiling(timeout):
     return json.loads(out.strip().splitlines()[-1])["ceiling_gbps"]
 
 
+def picture(drill, tree, console):
+    """`grader.py show` for a failing drill, in its own process (the learner's code may crash)."""
+    env = {"COLUMNS": str(console.width), **({"FORCE_COLOR": "1"} if console.is_terminal else {})}
+    code, out, err = run_process([sys.executable, "grader.py", "show", drill.id, "--tree", str(tree)], 60, env)
+    return out if code == 0 else None
+
+
 # ---------------------------------------------------------------------------
 # Output
 
@@ -158,9 +169,12 @@ def show(console, grade):
             if first.get("example") and first["kind"] != "not_implemented":
                 example = first["example"].strip().splitlines()
                 body.append("\n".join(example[:14]) + ("\n..." if len(example) > 14 else "") + "\n", style="dim")
-        body.append(f"read {s['page']}; run this drill alone with: python grader.py {s['id']}", style="italic")
+        body.append(f"read {s['page']}; run this drill alone with: python grader.py {s['id']}; "
+                    f"a hint: python grader.py hint {s['id']}", style="italic")
         console.print(Panel(body, title=f"{s['id'].upper()} {s['title']}: {s['failed']} of {s['total']} failing",
                             border_style="red", expand=False))
+        if s.get("picture"):
+            console.print(Text.from_ansi(s["picture"]))
 
     console.print()
     if grade.get("bench_note"):
@@ -189,7 +203,40 @@ def show(console, grade):
     console.print(table)
 
 
+COMMANDS = ("show", "hint", "reset", "doctor", "watch", "diff")
+
+
+def command(argv):
+    """The commands of tests/_commands.py: `grader.py show l1 [--tree T]` and friends."""
+    parser = argparse.ArgumentParser(prog=f"grader.py {argv[0]}")
+    if argv[0] != "doctor":
+        parser.add_argument("drill")
+    parser.add_argument("--tree", default=default_tree())
+    args = parser.parse_args(argv[1:])
+    console = Console()
+    if argv[0] == "doctor":
+        return _commands.doctor(console)
+    drill = find_drill(args.drill)
+    if argv[0] == "show":
+        if not hasattr(_picture, drill.id):
+            console.print(f"{drill.id.upper()} has no picture yet")
+            return 1
+        from _tree import load_drill
+        getattr(_picture, drill.id)(load_drill(args.tree, drill.stem), console)
+        return 0
+    if argv[0] == "hint":
+        return _commands.hint(drill, console)
+    if argv[0] == "reset":
+        return _commands.reset(drill, console)
+    if argv[0] == "diff":
+        return _commands.diff(drill, args.tree, console)
+    return _commands.watch(drill, args.tree, lambda: main([drill.id, "--tree", args.tree, "--no-bench"]), console)
+
+
 def main(argv=None):
+    argv = sys.argv[1:] if argv is None else argv
+    if argv and argv[0] in COMMANDS:
+        return command(argv)
     parser = argparse.ArgumentParser(description="Grade the drills of one tree.",
                                      formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
     parser.add_argument("drills", nargs="*", help="drill ids (default: all), e.g. l1")
@@ -210,7 +257,10 @@ def main(argv=None):
     with console.status("grading...") as spinner:
         for drill in drills:
             spinner.update(f"grading {drill.id.upper()} {drill.title}...")
-            grade["drills"].append(grade_drill(drill, tree, args.timeout))
+            summary = grade_drill(drill, tree, args.timeout)
+            if summary["status"] == "failing" and hasattr(_picture, drill.id):
+                summary["picture"] = picture(drill, tree, console)
+            grade["drills"].append(summary)
 
         if _env.INTERPRET:
             grade["bench_note"] = "needs a GPU; here kernels run in Triton's CPU interpreter (correctness only)"

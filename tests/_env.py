@@ -1,13 +1,13 @@
-"""Where the kernels run. Import this before anything imports Triton.
+"""Where the kernels run. Import this before any drill module is loaded.
 
-Triton decides when a kernel is decorated with @triton.jit whether it will be
-compiled for the GPU or run by its CPU interpreter, by reading TRITON_INTERPRET.
-Without a CUDA device we set it, so a learner with no GPU can finish every drill
-on the CPU. Setting TRITON_INTERPRET=1 yourself forces the interpreter on a GPU
-machine too.
+Triton decides when a kernel is decorated with @triton.jit (that is, when the
+module defining it is imported) whether it will be compiled for the GPU or run
+by its CPU interpreter, by reading TRITON_INTERPRET. Without a CUDA device we
+set it, so a learner with no GPU can finish every drill on the CPU. Setting
+TRITON_INTERPRET=1 yourself forces the interpreter on a GPU machine too.
+`python grader.py doctor` checks that this worked.
 """
 import os
-import sys
 
 
 def _cuda_available():
@@ -17,11 +17,6 @@ def _cuda_available():
 
 
 if "TRITON_INTERPRET" not in os.environ and not _cuda_available():
-    if "triton" in sys.modules:
-        raise RuntimeError(
-            "Triton was imported before tests/_env.py could set TRITON_INTERPRET=1; "
-            "import _env first, or run with TRITON_INTERPRET=1 in the environment"
-        )
     os.environ["TRITON_INTERPRET"] = "1"
 
 INTERPRET = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")

@@ -1,0 +1,96 @@
+"""Terminal pictures of a drill's data, drawn the way its page draws them.
+
+`python grader.py show l1` runs the learner's code on one small case and draws
+the cache both ways: as it should be and as theirs left it, slots grouped by
+physical block, each slot labelled with the token whose values it holds and
+coloured by that token's sequence. The grader shows the same picture under a
+failing drill that has one.
+"""
+from rich.columns import Columns
+from rich.table import Table
+from rich.text import Text
+
+from _env import DEVICE
+from _paged import WORKED_EXAMPLE, bits, kv_write_case
+
+SEQ_STYLE = ("bold blue", "bold magenta", "bold cyan", "bold yellow")
+
+
+def _label_slots(case, storage, rows):
+    """One label per slot (and per guard) of a k_cache storage: whose values are there."""
+    num_tokens = rows.shape[0]
+    hd = rows[0].numel() if num_tokens else 1
+    margin, size = case.k_cache.margin, case.k_cache.view.numel()
+    before = case.k_cache.initial
+    token_rows = [bits(rows[t].reshape(-1)) for t in range(num_tokens)]
+
+    def label(now, was):
+        if bool((bits(now) == bits(was)).all()):
+            return Text("·", style="dim")
+        for t, row in enumerate(token_rows):
+            if bool((bits(now) == row).all()):
+                seq = int(case.seq_idx[t])
+                if int(case.slot_mapping[t]) < 0:
+                    return Text(f"t{t}!", style="bold white on red")  # a padding token's values
+                return Text(f"t{t}", style=SEQ_STYLE[seq % len(SEQ_STYLE)])
+        return Text("?", style="bold white on red")  # changed, but to no token's values
+
+    slots = [label(storage[margin + s * hd:margin + (s + 1) * hd], before[margin + s * hd:margin + (s + 1) * hd])
+             for s in range(size // hd)]
+    front = label(storage[margin - hd:margin], before[margin - hd:margin])
+    back = label(storage[margin + size:margin + size + hd], before[margin + size:margin + size + hd])
+    return slots, front, back
+
+
+def _cache_table(title, case, labels, front, back):
+    block_size = case.block_size
+    table = Table(title=title, show_header=True, header_style="bold", box=None, padding=(0, 1))
+    table.add_column("block", justify="right")
+    for i in range(block_size):
+        table.add_column(f"+{i}", justify="center")
+    table.add_row("slot -1", front, *[""] * (block_size - 1))
+    for block in range(len(labels) // block_size):
+        table.add_row(str(block), *labels[block * block_size:(block + 1) * block_size])
+    table.add_row("past end", back, *[""] * (block_size - 1))
+    return table
+
+
+def l1(module, console):
+    """§4's worked example plus one padding token, with H=2, D=3 (H*D is not a
+    power of two) read from a fused-QKV view: small enough to draw, rich enough
+    that every pitfall on the page shows."""
+    ex = WORKED_EXAMPLE
+    case = kv_write_case(ex["block_table"], ex["num_blocks"], ex["seq_idx"], ex["positions"], ex["block_size"],
+                         num_heads=2, head_size=3, padding=[3], layout="fused_qkv", device=DEVICE, seed=7)
+    real = case.slot_mapping >= 0
+    try:
+        slots = module.slot_mapping(case.block_table, case.seq_idx[real], case.positions[real], case.block_size)
+        yours = [str(s) for s in slots.tolist()]
+    except Exception as error:  # the picture must draw whatever the learner's code does
+        yours = [type(error).__name__] * int(real.sum())
+    slot_table = Table(title="slot_mapping", header_style="bold", box=None, padding=(0, 1))
+    for column in ("token", "seq", "position", "expected slot", "yours"):
+        slot_table.add_column(column, justify="right")
+    mine = iter(yours)
+    for t in range(len(case.slot_mapping)):
+        if not real[t]:
+            slot_table.add_row(f"t{t}", "pad", "-", "-1", Text("(padding)", style="dim"))
+            continue
+        want, got = str(int(case.slot_mapping[t])), next(mine)
+        slot_table.add_row(Text(f"t{t}", style=SEQ_STYLE[int(case.seq_idx[t])]), str(int(case.seq_idx[t])),
+                           str(int(case.positions[t])), want, Text(got, style="green" if got == want else "bold red"))
+    console.print(slot_table)
+
+    note = None
+    try:
+        module.reshape_and_cache(*case.args())
+    except Exception as error:
+        note = f"reshape_and_cache raised {type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}"
+    expected, _ = case.expected()
+    want = _cache_table("k_cache, expected", case, *_label_slots(case, expected, case.key))
+    got = _cache_table("k_cache, yours", case, *_label_slots(case, case.k_cache.storage, case.key))
+    console.print(Columns([want, got], padding=(0, 6)))
+    console.print("[dim]tN: token N's values (colour = its sequence)   ·: untouched   "
+                  "tN!: a padding token's values   ?: overwritten with values of no token[/]")
+    if note:
+        console.print(f"[red]{note}[/]")

@@ -1,0 +1,80 @@
+"""The learner's and instructor's commands: reset never loses work, doctor catches
+a broken set-up, hints come one at a time, show and diff draw."""
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from _tree import ROOT
+
+
+def grader(*args, cwd=ROOT, env=None):
+    return subprocess.run([sys.executable, "grader.py", *args], cwd=cwd, capture_output=True, text=True,
+                          env={**os.environ, "COLUMNS": "160", **(env or {})}, timeout=120)
+
+
+@pytest.fixture
+def clone(tmp_path):
+    """A fresh clone of the committed repository, where a learner has started L1."""
+    subprocess.run(["git", "clone", "-q", str(ROOT), str(tmp_path / "repo")], check=True)
+    return tmp_path / "repo"
+
+
+def test_reset_backs_up_the_learners_file_then_restores_the_stub(clone):
+    stub = (clone / "mine/l1_paged_kv_write.py").read_text()
+    work = stub.replace('raise NotImplementedError("slot_mapping', 'return 42  # my attempt\n    raise NotImplementedError("')
+    (clone / "mine/l1_paged_kv_write.py").write_text(work)
+    result = grader("reset", "l1", cwd=clone)
+    assert result.returncode == 0, result.stderr
+    assert (clone / "mine/l1_paged_kv_write.py").read_text() == stub
+    backups = list((clone / ".drills/backups").glob("l1_paged_kv_write-*.py"))
+    assert len(backups) == 1 and backups[0].read_text() == work
+    assert "saved as .drills/backups/" in result.stdout
+
+
+def test_reset_finds_the_stub_even_after_the_learner_committed(clone):
+    stub = (clone / "mine/l1_paged_kv_write.py").read_text()
+    (clone / "mine/l1_paged_kv_write.py").write_text(stub.replace("raise NotImplementedError", "return None  #"))
+    subprocess.run(["git", "-c", "user.name=l", "-c", "user.email=l@x", "commit", "-qam", "my work"], cwd=clone,
+                   check=True)
+    assert grader("reset", "l1", cwd=clone).returncode == 0
+    assert (clone / "mine/l1_paged_kv_write.py").read_text() == stub
+
+
+def test_doctor_is_happy_here():
+    result = grader("doctor")
+    assert result.returncode == 0 and "ready" in result.stdout, result.stdout + result.stderr
+
+
+def test_doctor_catches_a_missing_numpy(tmp_path):
+    (tmp_path / "sitecustomize.py").write_text("import sys\nsys.modules['numpy'] = None  # as if not installed\n")
+    result = grader("doctor", env={"PYTHONPATH": str(tmp_path)})
+    assert result.returncode == 1
+    assert "pip install numpy" in result.stdout
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="on a GPU, TRITON_INTERPRET=0 is the normal set-up")
+def test_doctor_catches_an_interpreter_that_is_switched_off():
+    result = grader("doctor", env={"TRITON_INTERPRET": "0"})
+    assert result.returncode == 1
+    assert "TRITON_INTERPRET" in result.stdout and "FAIL" in result.stdout
+
+
+def test_hints_come_one_at_a_time(clone):
+    first, second = grader("hint", "l1", cwd=clone), grader("hint", "l1", cwd=clone)
+    assert "hint 1 of" in first.stdout and "hint 2 of" in second.stdout
+    assert (clone / ".drills/hints.json").exists()
+
+
+def test_show_draws_the_reference_without_red_flags():
+    result = grader("show", "l1", "--tree", "solutions")
+    assert result.returncode == 0
+    assert "k_cache, yours" in result.stdout and "t2" in result.stdout
+    assert "?" not in result.stdout.split("k_cache, expected")[1].split("tN:")[0]
+
+
+def test_diff_shows_both_files():
+    result = grader("diff", "l1", "--tree", "mine")
+    assert result.returncode == 0 and "NotImplementedError" in result.stdout and "tl.program_id" in result.stdout
