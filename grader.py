@@ -29,6 +29,7 @@ sys.path.insert(0, str(ROOT / "tests"))
 import _env  # noqa: E402  -- first: decides CPU interpreter vs GPU
 import _commands  # noqa: E402
 import _picture  # noqa: E402
+import _wrong  # noqa: E402
 from _manifest import DRILLS, drill as find_drill  # noqa: E402
 from _tree import default_tree, tree_path  # noqa: E402
 from rich.console import Console  # noqa: E402
@@ -41,8 +42,10 @@ STYLE = {"passed": "bold green", "failing": "bold red", "not started": "yellow"}
 
 def run_process(cmd, timeout, env=None):
     """(returncode or None if killed at the time limit, stdout, stderr). The whole process group dies on timeout."""
+    # One thread per child: the tensors are tiny, and two graders side by side on a
+    # 2-core machine would otherwise oversubscribe it several times over.
     proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            start_new_session=True, env={**os.environ, **(env or {})})
+                            start_new_session=True, env={"OMP_NUM_THREADS": "1", **os.environ, **(env or {})})
     try:
         out, err = proc.communicate(timeout=timeout)
         return proc.returncode, out, err
@@ -52,14 +55,16 @@ def run_process(cmd, timeout, env=None):
         return None, out, err
 
 
-def grade_drill(drill, tree, timeout, pytest_args=()):
-    """Run one drill's tests in a fresh process and summarise them."""
+def grade_drill(drill, tree, timeout, workdir=None):
+    """Run one drill's tests in a fresh process and summarise them. The first small
+    failing case is saved to <workdir>/<id>-case.pt for the picture."""
     with tempfile.TemporaryDirectory() as tmp:
         report = Path(tmp) / "report.jsonl"
         cmd = [sys.executable, "-m", "pytest", f"tests/test_{drill.stem}.py", "--tree", str(tree), "-q",
-               "--drills-report", str(report), *pytest_args]
+               "--drills-report", str(report)]
         started = time.monotonic()
-        code, out, err = run_process(cmd, timeout)
+        dump = {"DRILLS_CASE_DUMP": str(Path(workdir) / f"{drill.id}-case.pt")} if workdir else {}
+        code, out, err = run_process(cmd, timeout, dump)
         seconds = time.monotonic() - started
         lines = [json.loads(line) for line in report.read_text().splitlines()] if report.exists() else []
     collected = next((r["collected"] for r in lines if "collected" in r), 0)
@@ -73,24 +78,31 @@ def grade_drill(drill, tree, timeout, pytest_args=()):
                    failed=total - passed, skipped=skipped, total=total, seconds=round(seconds, 1),
                    problem=None, first_failure=None)
 
-    unfinished = [r["start"] for r in lines if "start" in r and r["start"] not in results]
+    unfinished = [r for r in lines if "start" in r and r["start"] not in results]
     crashed = code is not None and (code < 0 or (code > 1 and unfinished))
     if code is None or crashed:
-        where = unfinished[-1].split("::")[-1] if unfinished else "collecting the tests"
+        where = unfinished[-1]["start"].split("::")[-1] if unfinished else "collecting the tests"
         if code is None:
             summary["problem"] = f"timed out after {timeout:.0f} s in {where} (an endless loop? a huge grid?)"
         else:
-            summary["problem"] = (f"the test process crashed ({_signal_name(code)}) in {where}: usually a write "
-                                  f"or read far outside a tensor, e.g. an offset that overflowed int32")
+            summary["problem"] = (f"the test process crashed ({_signal_name(code)}) in {where}: usually a read "
+                                  f"or write far outside a tensor")
     elif not lines or collected == 0:
         tail = "\n".join((err or out).strip().splitlines()[-12:])
         summary["problem"] = f"the tests could not start (pytest exit {code}):\n{tail}"
         summary["failed"] = summary["total"] = max(summary["total"], 1)
 
     real = [r for r in failures if r.get("kind") != "not_implemented"]
-    first = (real or failures or [None])[0]
+    named = [r for r in real if r.get("pitfalls")]
+    first = (named or real or failures or [None])[0]
     if first:
         summary["first_failure"] = {k: first.get(k) for k in ("name", "kind", "message", "where", "example")}
+    # A pitfall is named only on evidence: the learner's output is exactly a known-wrong
+    # variant's, or the process died inside a test that exists to catch that pitfall.
+    died_in = unfinished[-1]["pitfalls"] if (code is None or crashed) and unfinished else []
+    evidence = (first or {}).get("pitfalls") or died_in
+    summary["diagnosis"] = [dict(pitfall=p, says=_wrong.pitfalls(drill.stem)[p]["says"],
+                                 section=_wrong.section(drill.stem)) for p in evidence]
     if summary["failed"] == 0 and summary["problem"] is None:
         summary["status"] = "passed"
     elif passed == 0 and failures and not real and summary["problem"] is None:
@@ -122,11 +134,17 @@ def measure_ceiling(timeout):
     return json.loads(out.strip().splitlines()[-1])["ceiling_gbps"]
 
 
-def picture(drill, tree, console):
-    """`grader.py show` for a failing drill, in its own process (the learner's code may crash)."""
+def picture(drill, tree, console, workdir):
+    """`grader.py show` for a failing drill, in its own process (the learner's code may
+    crash): the first small case that failed if the tests saved one, else the page's."""
     env = {"COLUMNS": str(console.width), **({"FORCE_COLOR": "1"} if console.is_terminal else {})}
-    code, out, err = run_process([sys.executable, "grader.py", "show", drill.id, "--tree", str(tree)], 60, env)
-    return out if code == 0 else None
+    saved = Path(workdir) / f"{drill.id}-case.pt"
+    which = ["--case", str(saved)] if saved.exists() else []
+    code, out, err = run_process([sys.executable, "grader.py", "show", drill.id, "--tree", str(tree), *which], 60, env)
+    if code != 0:
+        return None
+    title = "the first small failing case" if saved.exists() else f"the example of {drill.page}"
+    return f"{title}, drawn (python grader.py show {drill.id}):\n{out}"
 
 
 # ---------------------------------------------------------------------------
@@ -158,12 +176,17 @@ def show(console, grade):
         if s["status"] != "failing":
             continue
         body = Text()
+        for finding in s.get("diagnosis", []):
+            body.append(f"looks like: {finding['says']} ({finding['section']}, pitfall:{finding['pitfall']})\n",
+                        style="bold yellow")
         if s["problem"]:
             body.append(s["problem"] + "\n", style="bold red")
         first = s["first_failure"]
         if first:
             body.append(f"first failing test: {first['name']}\n", style="bold")
-            body.append(first["message"].strip() + "\n")
+            message = [line for line in first["message"].strip().splitlines()
+                       if not (s.get("diagnosis") and line.strip().startswith("looks like:"))]
+            body.append("\n".join(message) + "\n")
             if first.get("where"):
                 body.append(f"at {first['where']}\n", style="dim")
             if first.get("example") and first["kind"] != "not_implemented":
@@ -212,6 +235,7 @@ def command(argv):
     if argv[0] != "doctor":
         parser.add_argument("drill")
     parser.add_argument("--tree", default=default_tree())
+    parser.add_argument("--case", help="(show) draw this saved failing case instead of running the page's example")
     args = parser.parse_args(argv[1:])
     console = Console()
     if argv[0] == "doctor":
@@ -221,6 +245,10 @@ def command(argv):
         if not hasattr(_picture, drill.id):
             console.print(f"{drill.id.upper()} has no picture yet")
             return 1
+        if args.case:
+            import torch
+            getattr(_picture, f"{drill.id}_case")(torch.load(args.case, weights_only=False), console)
+            return 0
         from _tree import load_drill
         getattr(_picture, drill.id)(load_drill(args.tree, drill.stem), console)
         return 0
@@ -254,12 +282,12 @@ def main(argv=None):
         console.print(f"[red]{error}[/]")
         return 2
     grade = dict(tree=str(tree), tree_name=args.tree, device=_env.describe(), interpret=_env.INTERPRET, drills=[])
-    with console.status("grading...") as spinner:
+    with console.status("grading...") as spinner, tempfile.TemporaryDirectory() as workdir:
         for drill in drills:
             spinner.update(f"grading {drill.id.upper()} {drill.title}...")
-            summary = grade_drill(drill, tree, args.timeout)
+            summary = grade_drill(drill, tree, args.timeout, workdir)
             if summary["status"] == "failing" and hasattr(_picture, drill.id):
-                summary["picture"] = picture(drill, tree, console)
+                summary["picture"] = picture(drill, tree, console, workdir)
             grade["drills"].append(summary)
 
         if _env.INTERPRET:

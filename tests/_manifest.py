@@ -51,6 +51,29 @@ def _kv_write_case(num_tokens, graph):
     return BenchCase(f"T={num_tokens}", params, kv_write_bytes(**params), graph=graph)
 
 
+# --- L2: paged decode attention
+
+
+def decode_bytes(num_seqs, num_heads, num_kv_heads, head_size, context, block_size, dtype, **_):
+    """L2: the K and V of every cached token read once, the query read and the output
+    written once, plus each sequence's block-table row and length."""
+    size = ELEMENT_SIZE[dtype]
+    kv = 2 * num_seqs * context * num_kv_heads * head_size * size
+    q_and_out = 2 * num_seqs * num_heads * head_size * size
+    return kv + q_and_out + 4 * num_seqs * -(-context // block_size) + 4 * num_seqs
+
+
+def decode_flops(num_seqs, num_heads, context, head_size, **_):
+    """L2: q·k and p·v, a multiply and an add each, per query head and cached token."""
+    return 4 * num_seqs * num_heads * context * head_size
+
+
+def _decode_case(num_seqs, graph):
+    params = dict(num_seqs=num_seqs, num_heads=32, num_kv_heads=8, head_size=128, context=4096, block_size=16,
+                  dtype="float16")
+    return BenchCase(f"B={num_seqs}", params, decode_bytes(**params), decode_flops(**params), graph=graph)
+
+
 DRILLS = (
     Drill(
         id="l1",
@@ -62,6 +85,17 @@ DRILLS = (
                          head_sizes=(1, 3, 8, 16, 24, 40), block_sizes=(1, 2, 3, 4, 8, 16, 32),
                          max_padding=3),
         bench=(_kv_write_case(4096, graph=True), _kv_write_case(65536, graph=False)),
+    ),
+    Drill(
+        id="l2",
+        stem="l2_paged_decode",
+        title="Paged decode attention",
+        mirrors="vLLM paged attention v1 / Triton decode",
+        api=("paged_decode_kernel", "paged_decode_attention"),
+        test_shapes=dict(max_seqs=4, max_context=200, max_kv_heads=2, gqa_ratios=(1, 4, 8),
+                         head_sizes=(3, 8, 16, 24, 40), block_sizes=(16, 32)),
+        # B=64 moves 1 GiB (about 250 us at 4.3 TB/s); B=8 moves 128 MiB, short enough that launch gaps count.
+        bench=(_decode_case(64, graph=False), _decode_case(8, graph=True)),
     ),
 )
 

@@ -32,6 +32,7 @@ def pytest_configure(config):
     for d in DRILLS:
         config.addinivalue_line("markers", f"{d.id}: drill {d.id.upper()}, {d.title} (pytest -m {d.id})")
     config.addinivalue_line("markers", "meta: checks of the repository itself (stubs, pages, grader)")
+    config.addinivalue_line("markers", "pitfall(name): the test exists to catch this pitfall of the drill's page")
     if config.getoption("--drills-report"):
         import _report
 

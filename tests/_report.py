@@ -1,8 +1,9 @@
 """A pytest plugin for the grader: one JSON line per test, written as the run goes.
 
-A line `{"start": nodeid}` goes out before each test, so if the process dies (a
-segfault, an illegal memory access, a hang killed by the grader) the grader still
-knows which test it was in.
+A line `{"start": nodeid, "pitfalls": [...]}` goes out before each test, so if
+the process dies (a segfault, an illegal memory access, a hang killed by the
+grader) the grader still knows which test it was in, and which pitfalls that
+test exists to catch (its `@pytest.mark.pitfall(...)` marks).
 """
 import json
 import traceback
@@ -50,8 +51,9 @@ class Reporter:
     def pytest_collection_finish(self, session):
         self._write(collected=len(session.items))
 
-    def pytest_runtest_logstart(self, nodeid):
-        self._write(start=nodeid)
+    @pytest.hookimpl(tryfirst=True)
+    def pytest_runtest_setup(self, item):
+        self._write(start=item.nodeid, pitfalls=[m.args[0] for m in item.iter_markers("pitfall")])
 
     @pytest.hookimpl(hookwrapper=True)
     def pytest_runtest_makereport(self, item, call):
@@ -64,6 +66,7 @@ class Reporter:
                 tree = str(item.config.getoption("--tree") or "")
                 record["where"] = _where(error, str(item.funcargs.get("tree", tree)))
                 record["example"] = "\n".join(getattr(_first_leaf(error), "__notes__", []))
+                record["pitfalls"] = list(getattr(_first_leaf(error), "pitfalls", []))
             self._write(**record)
 
     def pytest_unconfigure(self):

@@ -149,3 +149,130 @@ def test_arithmetic_on_the_page(drill_id):
     for left, result in re.findall(r"((?:\d+[^\d×=+\n]*×\s*)+\d+)[^\d=+\n]*= (\d+)", text):
         factors = [int(n) for n in re.findall(r"\d+", left)]
         assert __import__("math").prod(factors) == int(result), f"{left} = {result}"
+
+
+# --- L2 ----------------------------------------------------------------------
+
+
+def test_l2_worked_example():
+    """§3: the token table, every number of the step table, and the output, against the
+    example the tests run (DECODE_EXAMPLE), the reference and the solution's kernel."""
+    from _diagnose import check_paged_decode
+    from _paged import DECODE_EXAMPLE, decode_example_case, online_softmax
+
+    text = page("l2")
+    ex = DECODE_EXAMPLE
+    assert eval(re.search(r"`block_table = (\[\[[\d, ]+\]\])`", text).group(1)) == ex["block_table"]
+    assert int(re.search(r"block_size = (\d+)。为了", text).group(1)) == ex["block_size"]
+    row = {name: [int(n) for n in re.findall(r"\d+", cells)]
+           for name, cells in re.findall(r"^\| (物理块|分数 s|值 v) \|(.*)\|$", text, re.M)}
+    table, bs = ex["block_table"][0], ex["block_size"]
+    assert row["物理块"] == [table[pos // bs] for pos in range(len(ex["scores"]))]
+    assert row["分数 s"] == ex["scores"] and row["值 v"] == ex["values"]
+
+    steps = re.findall(r"^\| 物理块 (\d+) \| ([\d, ]+) \| (\d+) \| ([\d.]+) \| ([\d., ]+) \| ([\d.]+) \| ([\d.]+) \|$",
+                       text, re.M)
+    want = online_softmax(torch.tensor([ex["scores"]]), torch.tensor([ex["values"]])[..., None], tile=bs)
+    assert len(steps) == len(want) == len(table)
+    for i, ((block, shown, m_new, alpha, p, l, acc), (m2, alpha2, p2, l2, acc2)) in enumerate(zip(steps, want)):
+        assert int(block) == table[i] and [float(s) for s in shown.split(",")] == ex["scores"][i * bs:(i + 1) * bs]
+        assert float(m_new) == float(m2)
+        assert float(alpha) == pytest.approx(float(alpha2), abs=1e-4)
+        assert [float(x) for x in p.split(",")] == pytest.approx(p2[0].tolist(), abs=1e-4)
+        assert (float(l), float(acc)) == pytest.approx((float(l2), float(acc2)), abs=1e-4)
+
+    shown_out = float(re.search(r"≈ \*\*([\d.]+)\*\*", text).group(1))
+    case = decode_example_case()
+    assert shown_out == pytest.approx(float(case.reference()), abs=1e-4)
+    assert shown_out == pytest.approx(float(want[-1][4] / want[-1][3]), abs=1e-4)
+    out = load_drill("solutions", "l2_paged_decode").paged_decode_attention(*case.args(), **case.kwargs())
+    check_paged_decode(case, out)
+
+
+def test_l2_bench_bytes_and_flops():
+    """§2's totals are the manifest's, for the B=64 bench case."""
+    from _manifest import BY_ID, decode_bytes, decode_flops
+
+    text = page("l2")
+    section = text[text.index("## 2."):text.index("## 3.")]
+    total = int(re.search(r"合计 (\d+) 字节", section).group(1))
+    flops = int(re.search(r"FLOPs = [^\n]*?= (\d{5,})", section).group(1))
+    params = next(c.params for c in BY_ID["l2"].bench if c.params["num_seqs"] == 64)
+    assert total == decode_bytes(**params) and flops == decode_flops(**params)
+    intensity = float(re.search(r"÷ \d+ ≈ ([\d.]+) FLOP/字节", section).group(1))
+    assert intensity == pytest.approx(flops / total, abs=0.05)
+
+
+def _l2_self_test(n):
+    text = page("l2")
+    start = text.index(f"**自测 {n}**")
+    end = text.find("**自测", start + 5)
+    return text[start:end if end > 0 else text.index("## 11.")]
+
+
+def test_l2_self_test_online_update():
+    import math
+
+    from _paged import online_softmax
+
+    q = _l2_self_test(1)
+    m, l, acc = map(int, re.search(r"m = (\d+)、l = (\d+)、acc = (\d+)", q).groups())
+    base, value = map(int, re.search(r"分数是 (\d+) \+ ln 2，值是 (\d+)", q).groups())
+    l_new, acc_new = map(int, re.search(r"l = [^=]*= (\d+)，acc = [^=]*= (\d+)", q).groups())
+    out = float(re.search(r"输出 = [^≈]*≈ ([\d.]+)", q).group(1))
+    # A state (m, l, acc) is what a first tile of l tokens scoring m, whose values sum to acc, leaves behind.
+    scores = torch.tensor([[float(m)] * l + [base + math.log(2)]], dtype=torch.float64)
+    values = torch.tensor([[acc / l] * l + [float(value)]], dtype=torch.float64)[..., None]
+    (_, _, _, l0, acc0), (_, _, _, l2, acc2) = online_softmax(scores, values, tile=l)
+    assert (float(l0), float(acc0)) == pytest.approx((l, acc))
+    assert (l_new, acc_new) == (pytest.approx(float(l2)), pytest.approx(float(acc2)))
+    assert out == pytest.approx(float(acc2 / l2), abs=1e-4)
+
+
+def test_l2_self_test_small_batch_bytes():
+    from _manifest import BY_ID, decode_bytes, decode_flops
+
+    q = _l2_self_test(2)
+    kv = int(re.search(r"K/V：[^=]*= (\d+) 字节", q).group(1))
+    total = int(re.search(r"合计 (\d+) 字节", q).group(1))
+    flops = int(re.search(r"FLOPs = [^=]*= (\d+)", q).group(1))
+    params = next(c.params for c in BY_ID["l2"].bench if c.params["num_seqs"] == 8)
+    assert total == decode_bytes(**params) and flops == decode_flops(**params)
+    assert kv == 2 * params["num_seqs"] * params["context"] * params["num_kv_heads"] * params["head_size"] * 2
+
+
+def test_l2_self_test_block_table_columns():
+    q = _l2_self_test(3)
+    block_size, seq_len, width = map(int, re.search(r"block_size = (\d+)，某条序列 seq_len = (\d+)，.*?一行有 (\d+) 列",
+                                                    q).groups())
+    columns = [int(c) for c in re.search(r"只读第 ([\d、]+) 列", q).group(1).split("、")]
+    live, masked = map(int, re.search(r"= (\d+) 个有效 token，其余 (\d+) 个 slot", q).groups())
+    owned = -(-seq_len // block_size)
+    assert columns == list(range(owned)) and owned <= width
+    assert live == seq_len - (owned - 1) * block_size and masked == block_size - live
+
+
+def test_l2_self_test_gqa_mapping():
+    from _paged import paged_decode_case
+
+    q = _l2_self_test(4)
+    num_heads, num_kv_heads = map(int, re.search(r"H_q = (\d+)、H_kv = (\d+)", q).groups())
+    head, its_kv = map(int, re.search(r"query head (\d+) 读 KV head \d+ // \d+ = (\d+)", q).group(1, 2))
+    kv, heads = re.search(r"KV head (\d+) 的 program 负责 query head ([\d、]+)", q).groups()
+    group = num_heads // num_kv_heads
+    assert its_kv == head // group
+    assert [int(h) for h in heads.split("、")] == [h for h in range(num_heads) if h // group == int(kv)]
+    # The reference agrees: query head `head` attends with KV head `its_kv`'s keys.
+    case = paged_decode_case([5], num_heads=num_heads, num_kv_heads=num_kv_heads, head_size=4, block_size=4,
+                             dtype=torch.float32)
+    mapping = torch.full((num_heads,), its_kv)
+    assert torch.allclose(case.reference()[0, head], case.reference(kv_head=mapping)[0, head])
+
+
+def test_l2_self_test_small_batch_grid():
+    from _manifest import BY_ID
+
+    q = _l2_self_test(6)
+    programs, idle = map(int, re.search(r"= (\d+) 个 program，至少 \d+ − \d+ = (\d+) 个 SM", q).groups())
+    params = next(c.params for c in BY_ID["l2"].bench if c.params["num_seqs"] == 8)
+    assert programs == params["num_seqs"] * params["num_kv_heads"] and idle == 132 - programs

@@ -1,18 +1,24 @@
-"""The tests catch every pitfall: each known-wrong solution fails its drill."""
+"""The tests catch every pitfall, and the grader names it: each known-wrong solution
+(tests/wrong/<stem>.py) fails its drill with that pitfall named, and the
+diagnosis never names a pitfall the evidence does not show."""
 import re
 import sys
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
+import torch
+from hypothesis import assume, given, settings, strategies as st
 
+import _wrong
+from _diagnose import Mismatch, _rerun_kv_write, check_kv_write, check_slot_mapping
 from _manifest import DRILLS
-from _tree import ROOT
-from _wrong import pitfalls, plant
+from _paged import kv_write_params, random_kv_write_case
+from _tree import ROOT, load_drill
 
 sys.path.insert(0, str(ROOT))
 import grader  # noqa: E402
 
-CASES = [(d, name) for d in DRILLS for name in pitfalls(d.stem)]
+CASES = [(d, name) for d in DRILLS for name in _wrong.pitfalls(d.stem)]
 
 
 @pytest.fixture(scope="module")
@@ -20,7 +26,7 @@ def grades(tmp_path_factory):
     """Grade every planted bug once, two at a time (each grade is its own process)."""
     def grade(case):
         drill, name = case
-        tree = plant(drill.stem, name, tmp_path_factory.mktemp(name))
+        tree = _wrong.plant(drill.stem, name, tmp_path_factory.mktemp(name))
         return (drill.id, name), grader.grade_drill(drill, tree, timeout=300)
 
     with ThreadPoolExecutor(max_workers=2) as pool:
@@ -28,13 +34,56 @@ def grades(tmp_path_factory):
 
 
 @pytest.mark.parametrize("case", CASES, ids=[f"{d.id}-{n}" for d, n in CASES])
-def test_planted_bug_fails_the_drill(grades, case):
+def test_planted_bug_fails_the_drill_and_is_named(grades, case):
     drill, name = case
     summary = grades[drill.id, name]
     assert summary["status"] == "failing", f"{name} planted in {drill.stem} was not caught: {summary}"
+    named = [finding["pitfall"] for finding in summary["diagnosis"]]
+    assert name in named, f"{name} planted in {drill.stem}: the grader named {named}; {summary['first_failure']}"
 
 
 @pytest.mark.parametrize("drill", DRILLS, ids=lambda d: d.id)
 def test_every_pitfall_on_the_page_has_a_wrong_solution(drill):
     named = set(re.findall(r"`pitfall:(\w+)`", (ROOT / drill.page).read_text()))
-    assert named == set(pitfalls(drill.stem)), "pitfalls on the page vs tests/wrong/" + drill.stem + ".py"
+    assert named == set(_wrong.pitfalls(drill.stem)), "pitfalls on the page vs tests/wrong/" + drill.stem + ".py"
+
+
+# --- the L1 diagnosis, both ways, on random cases -----------------------------
+
+L1 = "l1_paged_kv_write"
+
+
+@settings(max_examples=15)  # each example runs up to eleven kernels
+@given(params=kv_write_params(), pitfall=st.sampled_from(sorted(_wrong.pitfalls(L1))))
+def test_l1_diagnosis_names_the_planted_mistake_and_nothing_on_a_right_answer(device, params, pitfall):
+    case = random_kv_write_case(**params, device=device)
+    right = load_drill("solutions", L1)
+    right.reshape_and_cache(*case.args())
+    check_kv_write(case)  # a right answer: no Mismatch, so no pitfall named
+
+    case = random_kv_write_case(**params, device=device)
+    wrong = _wrong.variant(L1, pitfall)
+    real = case.slot_mapping >= 0
+    inputs = (case.block_table, case.seq_idx[real], case.positions[real], case.block_size)
+    slots_right = torch.equal(wrong.slot_mapping(*inputs).cpu(), right.slot_mapping(*inputs).cpu())
+    wrong.reshape_and_cache(*case.args())
+    want_k, want_v = case.expected()
+    writes_right = torch.equal(case.k_cache.storage, want_k) and torch.equal(case.v_cache.storage, want_v)
+    assume(not (slots_right and writes_right))  # on this input the mistake changes nothing
+    with pytest.raises(Mismatch) as caught:
+        if not slots_right:
+            check_slot_mapping(*inputs, wrong.slot_mapping(*inputs))
+        check_kv_write(case)
+    assert pitfall in caught.value.pitfalls
+    # any other pitfall it names must give exactly the same output here
+    for other in caught.value.pitfalls:
+        assert other == pitfall or other in _equivalent(pitfall, case, inputs)
+
+
+def _equivalent(pitfall, case, inputs):
+    """Pitfalls whose variant gives the same slots and the same caches as `pitfall`'s on this case."""
+    def outcome(name):
+        module = _wrong.variant(L1, name)
+        k, v = _rerun_kv_write(module, case)
+        return module.slot_mapping(*inputs).cpu().tolist(), k.view(-1).tolist(), v.view(-1).tolist()
+    return {name for name in _wrong.pitfalls(L1) if outcome(name) == outcome(pitfall)}
