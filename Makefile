@@ -34,8 +34,10 @@ $(VENV)/.ready: pyproject.toml
 	$(PY) -m pip install --quiet -r $(VENV)/requirements.txt
 	touch $@
 
+# grader.py exits 1 unless every drill passes (for scripts); for a learner that
+# is the normal state of things, not an error of make's.
 grade: setup
-	$(PY) grader.py --tree $(TREE) $(DRILL)
+	@$(PY) grader.py --tree $(TREE) $(DRILL) || true
 
 test: setup
 	$(PY) -m pytest --tree solutions -q

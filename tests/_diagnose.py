@@ -39,6 +39,28 @@ def expect_value_error(what, section, pitfall=None):
     raise error
 
 
+# Error messages learners meet, and what they mean. Matched against an
+# exception's text when a test fails with an error rather than a wrong answer.
+KNOWN_ERRORS = (
+    (r"mask has unsupported dtype",
+     "a mask built with `&` from a vector and a scalar condition (e.g. `(offs < HD) & (slot >= 0)`): the CPU "
+     "interpreter rejects it; choose the bound with a scalar tl.where first (content/l1.md §5)"),
+    (r"arange's range must be a power of 2|arange.*power of 2",
+     "tl.arange needs a power-of-two length: round H*D (or D) up with triton.next_power_of_2 and mask the tail "
+     "(content/l1.md §5)"),
+    (r"invalid operands of type pointer<\w+> and triton\.language\.float",
+     "a pointer was offset by a float: an index tensor (slot_mapping, block_table, seq_lens) of a float dtype, or an "
+     "offset computed in floating point"),
+)
+
+
+def explain_error(text):
+    """What a known error message means, or None."""
+    import re
+
+    return next((meaning for pattern, meaning in KNOWN_ERRORS if re.search(pattern, text)), None)
+
+
 def known_mistakes(stem, outcome, got):
     """The pitfalls whose known-wrong variant (tests/wrong/<stem>.py), run on the same
     input, produces exactly `got`: `outcome(module)` runs a module on that input and

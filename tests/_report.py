@@ -10,7 +10,7 @@ import traceback
 
 import pytest
 
-from _diagnose import Mismatch
+from _diagnose import Mismatch, explain_error
 
 
 def _first_leaf(error):
@@ -32,7 +32,9 @@ def classify(error):
         return "mismatch", str(error)
     if isinstance(error, AssertionError):
         return "mismatch", str(error).split("\nassert ")[0]
-    return "error", f"{type(error).__name__}: {error}"
+    message = f"{type(error).__name__}: {error}"
+    meaning = explain_error(message)
+    return "error", message + (f"\n  which usually means: {meaning}" if meaning else "")
 
 
 def _where(error, tree):

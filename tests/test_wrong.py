@@ -91,3 +91,28 @@ def _equivalent(pitfall, case, inputs):
         k, v = _rerun_kv_write(module, case)
         return module.slot_mapping(*inputs).cpu().tolist(), k.view(-1).tolist(), v.view(-1).tolist()
     return {name for name in _wrong.pitfalls(L1) if outcome(name) == outcome(pitfall)}
+
+
+# --- errors a learner meets are explained ------------------------------------
+
+
+@pytest.mark.parametrize("message,meaning", [
+    ("InterpreterError: ValueError('mask has unsupported dtype')", "scalar tl.where"),
+    ("ValueError: arange's range must be a power of 2", "next_power_of_2"),
+    ("IncompatibleTypeErrorImpl('invalid operands of type pointer<fp16> and triton.language.float32')", "float dtype"),
+])
+def test_known_error_messages_are_explained(message, meaning):
+    from _diagnose import explain_error
+
+    assert meaning in explain_error(message)
+    assert explain_error("ZeroDivisionError: division by zero") is None
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="only the CPU interpreter rejects a scalar in a mask's `&`")
+def test_a_scalar_in_a_mask_is_explained_by_the_grader(tmp_path):
+    source = (ROOT / "solutions" / f"{L1}.py").read_text()
+    (tmp_path / f"{L1}.py").write_text(source.replace("mask = offs < tl.where(slot >= 0, HD, 0)",
+                                                      "mask = (offs < HD) & (slot >= 0)"))
+    summary = grader.grade_drill(next(d for d in DRILLS if d.stem == L1), tmp_path, timeout=300)
+    assert summary["status"] == "failing"
+    assert "choose the bound with a scalar tl.where" in summary["first_failure"]["message"]
