@@ -10,10 +10,10 @@ import triton.language as tl
 
 def slot_mapping(block_table, seq_idx, positions, block_size):
     """Slot of each new token: which row of the flattened cache it goes to."""
-    logical_block = positions // block_size  # page number inside its own sequence
-    # One gather for all T tokens: block_table[seq_idx[t], logical_block[t]].
-    physical_block = block_table[seq_idx, logical_block].long()
-    return physical_block * block_size + positions % block_size
+    page = positions // block_size  # which page of its own sequence the token is on
+    # One gather answers "which physical block holds that page?" for every token at once.
+    block = block_table[seq_idx, page].long()
+    return positions % block_size + block * block_size
 
 
 @triton.jit
@@ -23,18 +23,19 @@ def reshape_and_cache_kernel(
     HD,                        # num_kv_heads * head_size: one slot's length
     BLOCK: tl.constexpr,       # next power of two >= HD
 ):
-    token = tl.program_id(0).to(tl.int64)
-    # int64 before any multiply: slot * HD passes 2**31 in a large cache.
+    # Widen to int64 before any multiply: slot * HD passes 2**31 in a large cache.
+    token = tl.program_id(axis=0).to(tl.int64)
     slot = tl.load(slot_mapping_ptr + token).to(tl.int64)
-    offs = tl.arange(0, BLOCK)
-    # Padding (slot -1) gets an all-false mask, so it reads and writes nothing.
-    # A scalar where() keeps the mask a plain vector compare; `offs < HD & slot >= 0`
-    # mixes a scalar into a vector `&`, which the CPU interpreter rejects.
-    mask = offs < tl.where(slot >= 0, HD, 0)
-    k = tl.load(key_ptr + token * key_stride + offs, mask=mask)
-    v = tl.load(value_ptr + token * value_stride + offs, mask=mask)
-    tl.store(k_cache_ptr + slot * HD + offs, k, mask=mask)
-    tl.store(v_cache_ptr + slot * HD + offs, v, mask=mask)
+    cols = tl.arange(0, BLOCK)  # one token's H*D values, seen as one row
+    # A padding token (slot -1) keeps no column, so it reads and writes nothing.
+    # The scalar where() picks the row length first; `(cols < HD) & (slot >= 0)`
+    # would mix a scalar into a vector `&`, which the CPU interpreter rejects.
+    keep = cols < tl.where(slot >= 0, HD, 0)
+    k = tl.load(key_ptr + token * key_stride + cols, mask=keep)
+    v = tl.load(value_ptr + token * value_stride + cols, mask=keep)
+    row = slot * HD + cols  # §3: slot s is row s of the flattened cache
+    tl.store(k_cache_ptr + row, k, mask=keep)
+    tl.store(v_cache_ptr + row, v, mask=keep)
 
 
 def reshape_and_cache(key, value, k_cache, v_cache, slot_mapping):

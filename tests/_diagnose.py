@@ -43,7 +43,7 @@ def expect_value_error(what, section, pitfall=None):
 # exception's text when a test fails with an error rather than a wrong answer.
 KNOWN_ERRORS = (
     (r"mask has unsupported dtype",
-     "a mask built with `&` from a vector and a scalar condition (e.g. `(offs < HD) & (slot >= 0)`): the CPU "
+     "a mask built with `&` from a vector and a scalar condition (e.g. `(cols < HD) & (slot >= 0)`): the CPU "
      "interpreter rejects it; choose the bound with a scalar tl.where first (content/l1.md §5)"),
     (r"arange's range must be a power of 2|arange.*power of 2",
      "tl.arange needs a power-of-two length: round H*D (or D) up with triton.next_power_of_2 and mask the tail "

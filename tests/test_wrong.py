@@ -88,8 +88,11 @@ def _equivalent(pitfall, case, inputs):
     """Pitfalls whose variant gives the same slots and the same caches as `pitfall`'s on this case."""
     def outcome(name):
         module = _wrong.variant(L1, name)
-        k, v = _rerun_kv_write(module, case)
-        return module.slot_mapping(*inputs).cpu().tolist(), k.view(-1).tolist(), v.view(-1).tolist()
+        try:
+            k, v = _rerun_kv_write(module, case)
+            return module.slot_mapping(*inputs).cpu().tolist(), k.view(-1).tolist(), v.view(-1).tolist()
+        except Exception:  # cannot run on this input: equivalent to nothing
+            return name
     return {name for name in _wrong.pitfalls(L1) if outcome(name) == outcome(pitfall)}
 
 
@@ -111,8 +114,8 @@ def test_known_error_messages_are_explained(message, meaning):
 @pytest.mark.skipif(torch.cuda.is_available(), reason="only the CPU interpreter rejects a scalar in a mask's `&`")
 def test_a_scalar_in_a_mask_is_explained_by_the_grader(tmp_path):
     source = (ROOT / "solutions" / f"{L1}.py").read_text()
-    (tmp_path / f"{L1}.py").write_text(source.replace("mask = offs < tl.where(slot >= 0, HD, 0)",
-                                                      "mask = (offs < HD) & (slot >= 0)"))
+    (tmp_path / f"{L1}.py").write_text(source.replace("keep = cols < tl.where(slot >= 0, HD, 0)",
+                                                      "keep = (cols < HD) & (slot >= 0)"))
     summary = grader.grade_drill(next(d for d in DRILLS if d.stem == L1), tmp_path, timeout=300)
     assert summary["status"] == "failing"
     assert "choose the bound with a scalar tl.where" in summary["first_failure"]["message"]
