@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from _env import DEVICE
 from _manifest import DRILLS
 from _paged import WORKED_EXAMPLE
 from _tree import ROOT, load_drill
@@ -182,7 +183,7 @@ def test_l2_worked_example():
         assert (float(l), float(acc)) == pytest.approx((float(l2), float(acc2)), abs=1e-4)
 
     shown_out = float(re.search(r"≈ \*\*([\d.]+)\*\*", text).group(1))
-    case = decode_example_case()
+    case = decode_example_case(device=DEVICE)  # the solution's kernel runs where kernels run here
     assert shown_out == pytest.approx(float(case.reference()), abs=1e-4)
     assert shown_out == pytest.approx(float(want[-1][4] / want[-1][3]), abs=1e-4)
     out = load_drill("solutions", "l2_paged_decode").paged_decode_attention(*case.args(), **case.kwargs())
