@@ -8,6 +8,7 @@ traceback.
 """
 import math
 import os
+import re
 from contextlib import contextmanager
 
 import torch
@@ -56,8 +57,6 @@ KNOWN_ERRORS = (
 
 def explain_error(text):
     """What a known error message means, or None."""
-    import re
-
     return next((meaning for pattern, meaning in KNOWN_ERRORS if re.search(pattern, text)), None)
 
 

@@ -9,8 +9,8 @@ Conventions every page follows (content/README in words, here in code):
 - a number quoted from BENCHMARKS.md stands on a line that says so, and is in BENCHMARKS.md.
 Then, per page, the worked examples and self-test answers against the references.
 """
+import math
 import re
-from pathlib import Path
 
 import pytest
 import torch
@@ -149,7 +149,7 @@ def test_arithmetic_on_the_page(drill_id):
         assert 100 * int(a) / int(b) == pytest.approx(float(c), abs=0.05), f"{a} / {b} = {c} %"
     for left, result in re.findall(r"((?:\d+[^\d×=+\n]*×\s*)+\d+)[^\d=+\n]*= (\d+)", text):
         factors = [int(n) for n in re.findall(r"\d+", left)]
-        assert __import__("math").prod(factors) == int(result), f"{left} = {result}"
+        assert math.prod(factors) == int(result), f"{left} = {result}"
 
 
 # --- L2 ----------------------------------------------------------------------
