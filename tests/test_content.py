@@ -1,14 +1,17 @@
 """The content pages cannot rot: every number the code can check is checked here.
 
-Conventions every page follows (content/README in words, here in code):
+Conventions every page follows (content/README.md in words, here in code):
 - numbered sections are `## N. title`; "content/<id>.md §N" anywhere in the code
   must name one of them;
 - a citation of the reference is a link `[solutions/<stem>.py:A-B](../solutions/<stem>.py#LA-LB)`
   followed by a ```python block that reproduces exactly lines A..B;
+- the reference is quoted only inside `<details>` blocks whose summary says 先做题 (do the
+  drill first): a learner reads the problem, the concepts and the hints before any answer;
 - each pitfall is tagged `pitfall:<name>`;
 - a number quoted from BENCHMARKS.md stands on a line that says so, and is in BENCHMARKS.md.
 Then, per page, the worked examples and self-test answers against the references.
 """
+import ast
 import math
 import re
 
@@ -32,6 +35,35 @@ def sections(text):
     return {int(n) for n in re.findall(r"^## (\d+)\. ", text, re.M)}
 
 
+def section(text, number):
+    """The text of `## number. ...` up to the next numbered or unnumbered `## ` heading."""
+    start = re.search(rf"^## {number}\. ", text, re.M).start()
+    end = re.search(r"^## ", text[start + 3:], re.M)
+    return text[start:start + 3 + end.start()] if end else text[start:]
+
+
+DETAILS = re.compile(r"<details>\s*<summary>(.*?)</summary>(.*?)</details>", re.S)
+
+
+def outside_details(text):
+    return DETAILS.sub("", text)
+
+
+def answer_lines(stem):
+    """The reference's lines that give an answer away: longer than 25 characters, not an import,
+    a comment or a docstring, and not also in the stub (signatures and parameter lists are)."""
+    source = (ROOT / "solutions" / f"{stem}.py").read_text()
+    stub = {line.strip() for line in (ROOT / "mine" / f"{stem}.py").read_text().splitlines()}
+    docstrings = set()
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, (ast.Module, ast.FunctionDef, ast.ClassDef)) and ast.get_docstring(node) is not None:
+            doc = node.body[0]
+            docstrings.update(range(doc.lineno, doc.end_lineno + 1))
+    return [line.strip() for number, line in enumerate(source.splitlines(), 1)
+            if len(line.strip()) > 25 and number not in docstrings and line.strip() not in stub
+            and not line.strip().startswith(("import ", "from ", "#"))]
+
+
 @pytest.mark.parametrize("drill_id", list(PAGES))
 def test_citations_reproduce_the_cited_lines(drill_id):
     text = page(drill_id)
@@ -42,6 +74,34 @@ def test_citations_reproduce_the_cited_lines(drill_id):
         lines = (ROOT / path).read_text().splitlines()[int(first) - 1:int(last)]
         assert shown.rstrip("\n").splitlines() == lines, (
             f"{PAGES[drill_id].name} cites {path}:{first}-{last}, but the block it shows is not those lines now")
+
+
+@pytest.mark.parametrize("drill_id", list(PAGES))
+def test_no_solution_line_outside_details(drill_id):
+    """The page teaches before it answers: no line of the reference stands outside a folded block."""
+    text = page(drill_id)
+    assert text.count("<details>") == text.count("</details>") == len(DETAILS.findall(text)) > 0
+    for summary, _ in DETAILS.findall(text):
+        assert "先做题" in summary, f"{drill_id}.md has a <details> block whose summary does not say 先做题"
+    outside = outside_details(text)
+    stem = next(d.stem for d in DRILLS if d.id == drill_id)
+    quoted = [line for line in answer_lines(stem) if line in outside]
+    assert not quoted, f"{drill_id}.md quotes solutions/{stem}.py outside <details>: {quoted}"
+
+
+def test_track_map_links_every_drill_in_order():
+    """content/README.md, the map a newcomer reads first: a picture, and every drill page in manifest order."""
+    text = (ROOT / "content" / "README.md").read_text()
+    assert "```mermaid" in text
+    linked = re.findall(r"\]\((?:\./)?(\w+)\.md\)", text)
+    first = {}
+    for i, name in enumerate(linked):
+        first.setdefault(name, i)
+    ids = [d.id for d in DRILLS]
+    assert all(i in first for i in ids), f"content/README.md does not link {[i for i in ids if i not in first]}"
+    assert sorted(ids, key=first.get) == ids, "content/README.md links the drills out of the manifest's order"
+    readme = (ROOT / "README.md").read_text()
+    assert "(content/README.md)" in readme, "README.md does not link the track map"
 
 
 def test_section_references_point_at_real_sections():
@@ -80,8 +140,8 @@ def test_readme_table_lists_every_drill_in_order():
 
 def test_l1_worked_example_table():
     """§4's table: every column recomputed from the block table on the page."""
-    text = page("l1")
-    table = eval(re.search(r"block_table = (\[\[.*?\]\])", text, re.S).group(1))
+    text = section(page("l1"), 4)
+    table = ast.literal_eval(re.search(r"block_table = (\[\[.*?\]\])", text, re.S).group(1))
     block_size = int(re.search(r"block_size = (\d+)", text).group(1))
     assert (table, block_size) == (WORKED_EXAMPLE["block_table"], WORKED_EXAMPLE["block_size"])
     rows = re.findall(r"^\| (\d+) \| (\d+) \| (\d+) \| (\d+) \| (\d+) \| (\d+) \| (\d+)·\d+ \+ \d+ = (\d+) \|", text, re.M)
@@ -98,7 +158,7 @@ def test_l1_worked_example_table():
 def test_l1_self_test_slot():
     text = page("l1")
     q = re.search(r"自测 1.*?block_size = (\d+).*?block_table = (\[[\d, ]+\]).*?position = (\d+).*?slot = .*?= (\d+)", text, re.S)
-    block_size, table, position, answer = int(q.group(1)), eval(q.group(2)), int(q.group(3)), int(q.group(4))
+    block_size, table, position, answer = int(q.group(1)), ast.literal_eval(q.group(2)), int(q.group(3)), int(q.group(4))
     solution = load_drill("solutions", "l1_paged_kv_write")
     got = solution.slot_mapping(torch.tensor([table]), torch.tensor([0]), torch.tensor([position]), block_size)
     assert int(got) == answer
@@ -163,7 +223,7 @@ def test_l2_worked_example():
 
     text = page("l2")
     ex = DECODE_EXAMPLE
-    assert eval(re.search(r"`block_table = (\[\[[\d, ]+\]\])`", text).group(1)) == ex["block_table"]
+    assert ast.literal_eval(re.search(r"`block_table = (\[\[[\d, ]+\]\])`", text).group(1)) == ex["block_table"]
     assert int(re.search(r"block_size = (\d+)。为了", text).group(1)) == ex["block_size"]
     row = {name: [int(n) for n in re.findall(r"\d+", cells)]
            for name, cells in re.findall(r"^\| (物理块|分数 s|值 v) \|(.*)\|$", text, re.M)}
@@ -181,6 +241,11 @@ def test_l2_worked_example():
         assert float(alpha) == pytest.approx(float(alpha2), abs=1e-4)
         assert [float(x) for x in p.split(",")] == pytest.approx(p2[0].tolist(), abs=1e-4)
         assert (float(l), float(acc)) == pytest.approx((float(l2), float(acc2)), abs=1e-4)
+
+    # The log-sum-exp L4 needs: m + log l, which is log of the sum of exp(score).
+    m, l, lse = re.search(r"lse = m \+ log l = (\d+) \+ ln ([\d.]+) ≈ ([\d.]+)", text).groups()
+    assert (float(m), float(l)) == (float(want[-1][0]), pytest.approx(float(want[-1][3]), abs=1e-4))
+    assert float(lse) == pytest.approx(math.log(sum(math.exp(s) for s in ex["scores"])), abs=1e-4)
 
     shown_out = float(re.search(r"≈ \*\*([\d.]+)\*\*", text).group(1))
     case = decode_example_case(device=DEVICE)  # the solution's kernel runs where kernels run here
@@ -268,6 +333,25 @@ def test_l2_self_test_gqa_mapping():
                              dtype=torch.float32)
     mapping = torch.full((num_heads,), its_kv)
     assert torch.allclose(case.reference()[0, head], case.reference(kv_head=mapping)[0, head])
+
+
+def test_l2_self_test_split_lse():
+    """Self-test 7: the lse of each half of §3's example, and their merge, which is the whole row's."""
+    from _paged import DECODE_EXAMPLE as ex
+
+    text = page("l2")
+    q = _l2_self_test(7)
+    halves = re.findall(r"m = (\d+)、l = ([\d.]+)，lse = \d+ \+ ln [\d.]+ ≈ ([\d.]+)", q)
+    merged = float(re.search(r"合并：ln\(e\^[\d.]+ \+ e\^[\d.]+\) ≈ ([\d.]+)", q).group(1))
+    bs = ex["block_size"]
+    parts = [ex["scores"][i:i + bs] for i in range(0, len(ex["scores"]), bs)]
+    assert len(halves) == len(parts)
+    for (m, l, lse), scores in zip(halves, parts):
+        assert float(m) == max(scores)
+        assert float(l) == pytest.approx(sum(math.exp(s - max(scores)) for s in scores), abs=1e-4)
+        assert float(lse) == pytest.approx(math.log(sum(math.exp(s) for s in scores)), abs=1e-4)
+    assert merged == pytest.approx(math.log(sum(math.exp(s) for s in ex["scores"])), abs=1e-4)
+    assert "lse = m + log l" in section(text, 3)
 
 
 def test_l2_self_test_small_batch_grid():
