@@ -201,6 +201,31 @@ def test_l1_self_test_bytes_moved():
     assert round(total / ceiling / 1e3) == micros
 
 
+def test_int32_boundary():
+    """l1 §5, l1 self-test 6 and l2 §4: which fp16 caches still fit int32 offsets. A cache of exactly
+    2**31 elements does (its largest offset is 2**31 - 1); only more elements overflow."""
+    from _manifest import BY_ID
+
+    gib = 2**30
+    l1 = section(page("l1"), 5)
+    row = 16 * 8 * 128  # elements per physical block at block_size 16, H 8, D 128
+    caches = re.findall(r"(\d+) GiB (?:的 )?cache 是 (\d+) 个物理块", l1) + re.findall(r"(\d+) GiB、(\d+) 个物理块", l1)
+    assert [size for size, _ in caches] == ["2", "4", "8"]
+    for size, blocks in caches:
+        assert int(blocks) * row * 2 == int(size) * gib, f"l1 §5: {blocks} blocks are not {size} GiB"
+        fits = int(blocks) * row - 1 <= 2**31 - 1
+        assert fits == (int(size) <= 4), f"l1 §5: a {size} GiB cache {'fits' if fits else 'overflows'} int32"
+    assert int(re.search(r"fp16 的 2 GiB cache 是 (\d+) 个物理块", l1).group(1)) == \
+        BY_ID["l1"].bench[-1].params["num_blocks"]  # the bench cache the page calls 2 GiB
+    q = re.search(r"自测 6.*?有 (\d+) 个物理块.*?最后一个 slot 是 \d+ × (\d+) − 1 = (\d+)，它的最后一个元素偏移是 2³¹ − 1",
+                  page("l1"), re.S)
+    blocks, block_size, last_slot = map(int, q.groups())
+    assert last_slot == blocks * block_size - 1 and (last_slot + 1) * 1024 - 1 == 2**31 - 1
+    l2 = section(page("l2"), 4)
+    blocks = int(re.search(r"2 GiB 的 fp16 cache 有 (\d+) 个物理块", l2).group(1))
+    assert blocks * row * 2 == 2 * gib
+
+
 @pytest.mark.parametrize("drill_id", list(PAGES))
 def test_arithmetic_on_the_page(drill_id):
     """Every `a / b = c %` and every product `a × b × ... = c` written on a page."""
