@@ -15,7 +15,10 @@ import triton.language as tl
 # raw bits; triton-lang/triton#11584), so there the kernel widens K, V and q to
 # fp32 first. On a GPU they stay 16-bit and go through the tensor cores.
 _INTERPRET = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
-CPU_NUM_SPLITS = 4  # num_splits=None on the CPU: small, but enough to exercise the merge
+CPU_NUM_SPLITS = 4   # num_splits=None on the CPU: small, but enough to exercise the merge
+PROGRAMS_PER_SM = 4  # num_splits=None on a GPU aims at this many phase-1 programs per SM ...
+MAX_SPLITS = 32      # ... with at most this many splits
+NUM_WARPS, NUM_STAGES = 4, 3  # phase 1's launch; measured on an H200 (BENCHMARKS.md)
 
 
 @triton.jit
@@ -149,12 +152,12 @@ def split_kv_kernel(
 
 
 def default_num_splits(num_seqs, num_kv_heads, device):
-    """About four (sequence, KV head, split) programs per SM, at most 32 splits;
-    one split when the batch alone fills the GPU (content/l4.md §5)."""
+    """About PROGRAMS_PER_SM (sequence, KV head, split) programs per SM, at most
+    MAX_SPLITS splits; one split when the batch alone fills the GPU (content/l4.md §5)."""
     if device.type != "cuda":
         return CPU_NUM_SPLITS
     sms = torch.cuda.get_device_properties(device).multi_processor_count
-    return max(1, min(32, 4 * sms // max(1, num_seqs * num_kv_heads)))
+    return max(1, min(MAX_SPLITS, PROGRAMS_PER_SM * sms // max(1, num_seqs * num_kv_heads)))
 
 
 def paged_decode_attention_split(query, k_cache, v_cache, block_table, seq_lens, scale=None, num_splits=None,
@@ -185,7 +188,7 @@ def paged_decode_attention_split(query, k_cache, v_cache, block_table, seq_lens,
         TILE=64 if d_pad <= 128 else 32,  # keeps a K or V tile at 16 KiB in 16-bit
         UPCAST=_INTERPRET and query.dtype == torch.bfloat16,
         DIRECT=num_splits == 1,
-        num_warps=4,
+        num_warps=NUM_WARPS, num_stages=NUM_STAGES,
     )
     if num_splits == 1:
         return out
