@@ -2,9 +2,9 @@
 
 Every output is compared with plain attention in float64 (the split count does not
 change the answer) within a tolerance per dtype. As in L2, blocks no sequence owns
-and every garbage block-table column hold NaN; here `out` is a NaN-poisoned view
-inside a guarded buffer, and the memory the function's own partial buffers are
-likely to get is NaN before the call. A failure says which sequence, query head and
+and every garbage block-table column hold NaN, and `out` is a poisoned view inside a
+guarded buffer. The partial results are poisoned where the merge gets them as input:
+an empty side's `v` is NaN garbage. A failure says which sequence, query head and
 chunk is off, and which mistake reproduces it.
 """
 import math
@@ -14,48 +14,41 @@ import torch
 from hypothesis import Phase, given, settings
 
 from _diagnose import Mismatch, expect_value_error
-from _paged import DTYPES, bits, caches_past_int32
-from drills.l4 import (MERGE_EXAMPLE, DRILL, MergeCase, check_merge, check_split_decode, merge_case,
-                       merge_example_case, merge_example_numbers, merge_params, poisoned_out, split_case,
-                       split_params)
+from _paged import DTYPES, bits, caches_past_int32, changed, poisoned_out, snapshot
+from drills.l4 import (MERGE_EXAMPLE, MergeCase, check_merge, check_split_decode, merge_case, merge_example_case,
+                       merge_example_numbers, merge_params, split_case, split_params)
 
 ALL_DTYPES = list(DTYPES.values())
 
 
-def _poison_allocator(case, device):
-    """Allocate and free NaN tensors the size of the function's partial buffers
-    ([B, H_q, splits, D] and [B, H_q, splits], fp32), so its torch.empty of those sizes
-    likely gets NaN memory (always, on a GPU's caching allocator): a partial the kernel
-    never writes then reads NaN rather than a stale right answer."""
-    num_seqs, num_heads, head_size = case.query.shape
-    splits = case.num_splits or 4
-    for shape in ((num_seqs, num_heads, splits, head_size), (num_seqs, num_heads, splits), (num_seqs, num_heads)):
-        torch.full(shape, float("nan"), dtype=torch.float32, device=device)
+INPUTS = ("query", "k_cache", "v_cache", "block_table", "seq_lens")
 
 
 def run(drill, case, use_out=True, seed=0):
     """Call paged_decode_attention_split on the case and check everything: the output
-    (or the poisoned, guarded out=), the guards, the inputs left untouched."""
-    before = [t.clone() for t in case.args()]
-    guard = poisoned_out(case.query.shape, case.query.dtype, case.query.device, torch.Generator().manual_seed(seed))
-    _poison_allocator(case, case.query.device)
-    kwargs = dict(case.kwargs(), **({"out": guard.view} if use_out else {}))
-    out = drill.paged_decode_attention_split(*case.args(), **kwargs)
-    check_split_decode(case, out, guard if use_out else None)
-    for name, t, old in zip(("query", "k_cache", "v_cache", "block_table", "seq_lens"), case.args(), before):
-        if not torch.equal(bits(t) if t.is_floating_point() else t, bits(old) if old.is_floating_point() else old):
-            raise Mismatch(f"{name} was modified: paged_decode_attention_split must only read its inputs")
-    return out
+    (or the poisoned, guarded out=), the guards, the inputs left bit for bit alone."""
+    before = snapshot(*case.args())
+    if use_out:
+        out = poisoned_out(case.query.shape, case.query.dtype, case.query.device, torch.Generator().manual_seed(seed))
+        returned = drill.paged_decode_attention_split(*case.args(), **case.kwargs(), out=out.view)
+        check_split_decode(case, out, returned)
+        result = out.view
+    else:
+        result = drill.paged_decode_attention_split(*case.args(), **case.kwargs())
+        check_split_decode(case, result)
+    for i in changed(before):
+        raise Mismatch(f"{INPUTS[i]} was modified: paged_decode_attention_split must only read its inputs")
+    return result
 
 
 def merged(drill, case):
     """Call merge_attention_states and check (v, s) and that the inputs were left alone."""
-    before = [t.clone() for t in case.args()]
+    before = snapshot(*case.args())
     got = drill.merge_attention_states(*case.args())
     check_merge(case, got)
-    for name, t, old in zip(("v_a", "s_a", "v_b", "s_b"), case.args(), before):
-        if not torch.equal(bits(t), bits(old)):
-            raise Mismatch(f"{name} was modified: merge_attention_states must only read its inputs")
+    for i in changed(before):
+        raise Mismatch(f"{('v_a', 's_a', 'v_b', 's_b')[i]} was modified: merge_attention_states must only read "
+                       f"its inputs")
     return got
 
 
@@ -344,6 +337,8 @@ def _bad_inputs(device):
         "num_splits 2.5": (ok, dict(num_splits=2.5)),
         "out of another shape": (ok, dict(out=torch.empty_like(query[:1]))),
         "out of another dtype": (ok, dict(out=torch.empty(query.shape, dtype=torch.float32, device=device))),
+        "out whose heads are not contiguous": (ok, dict(out=torch.empty_like(query).transpose(1, 2).contiguous()
+                                                        .transpose(1, 2))),
         "H_q not a multiple of H_kv": ((query[:, :3], k_cache, v_cache, table, lens), {}),
         "query without a head axis": ((query[:, 0], k_cache, v_cache, table, lens), {}),
         "cache head size != query head size": ((query[..., :8].contiguous(), k_cache, v_cache, table, lens), {}),
@@ -358,6 +353,8 @@ def _bad_inputs(device):
                                     lens), {}),
         "query whose heads are not contiguous": ((query.transpose(1, 2).contiguous().transpose(1, 2), k_cache,
                                                   v_cache, table, lens), {}),
+        "block_table whose rows are strided": ((query, k_cache, v_cache, torch.stack([table, table], dim=-1)[..., 0],
+                                                lens), {}),
         "seq_len 0": ((query, k_cache, v_cache, table, lens.clone().fill_(0)), {}),
         "seq_len beyond the block table": ((query, k_cache, v_cache, table,
                                             lens.clone().fill_(table.shape[1] * k_cache.shape[1] + 1)), {}),
@@ -393,16 +390,6 @@ def test_large_cache_needs_int64_offsets(drill, device):
     try:
         check_split_decode(large, drill.paged_decode_attention_split(*large.args(), num_splits=2))
     except Mismatch as error:
-        raise Mismatch(f"right in a small cache, wrong when blocks start past 2**31 elements into the cache: "
-                       f"offsets computed in int32 wrap around (content/l4.md §6)\n{error}") from None
-
-
-# --- STAND-IN until [shape]: tests/test_content.py will run DRILL.page_checks ---------------
-
-
-def test_page_checks_standin():
-    from _tree import ROOT
-
-    text = (ROOT / "content" / "l4.md").read_text()
-    for check in DRILL.page_checks:
-        check(text)
+        raise Mismatch(f"right in a small cache, wrong when blocks {num_blocks - 1} and {num_blocks - 3} start past "
+                       f"2**31 elements into the cache: offsets computed in int32 wrap around (content/l4.md §5)"
+                       f"\n{error}") from None

@@ -11,65 +11,18 @@ in the split and the merge.
 """
 import math
 import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 from hypothesis import strategies as st
 
-from _diagnose import Mismatch
-from _paged import DTYPES, Guarded, allocate_blocks, bits, noise
-
-# --- STAND-IN until [shape]: the shared pieces shape.md names, not on main yet -------------
-from _paged import _followed_by as followed_by  # noqa: E402  STAND-IN until [shape]
-from _paged import _nan_outside as nan_outside  # noqa: E402  STAND-IN until [shape]
-from _paged import _owned_columns as owned_columns  # noqa: E402  STAND-IN until [shape]
-
-_POISON = {torch.float16: 0x7E5A, torch.bfloat16: 0x7FDA, torch.float32: 0x7FC5A5A5}  # NaN with a payload
-
-
-def poisoned_out(shape, dtype, device, gen, margin=64):  # STAND-IN until [shape]
-    """A NaN-filled `view` in the middle of a noise-filled storage. The NaN carries a
-    payload no arithmetic produces, so "never written" and "written NaN" differ."""
-    numel = math.prod(shape)
-    storage = noise(margin + numel + margin, dtype, "cpu", gen)
-    poison = torch.tensor(_POISON[dtype], dtype=torch.int32 if dtype == torch.float32 else torch.int16)
-    storage[margin:margin + numel] = poison.view(dtype)
-    storage = storage.to(device)
-    return Guarded(storage, storage[margin:margin + numel].view(shape), margin, storage.clone())
-
-
-@dataclass(frozen=True)
-class Pitfall:  # STAND-IN until [shape]
-    says: str
-    edits: tuple
-
-
-@dataclass(frozen=True)
-class BenchCase:  # STAND-IN until [shape]
-    name: str
-    params: dict
-    bytes: int
-    flops: int = 0
-    graph: bool = False
-
-
-@dataclass(frozen=True)
-class Drill:  # STAND-IN until [shape]
-    id: str
-    stem: str
-    title: str
-    mirrors: str
-    api: tuple
-    test_shapes: dict = field(default_factory=dict)
-    bench: tuple = ()
-    bench_work: object = None
-    pitfalls: dict = field(default_factory=dict)
-    section: str = ""
-    page_checks: tuple = ()
-    picture: object = None
-# --- end of STAND-IN ------------------------------------------------------------------------
+from _diagnose import Mismatch, check_out_buffer, reproduces
+from _drill import BenchCase, Drill, Mistake, Pitfall
+from _paged import DTYPES, Guarded, allocate_blocks, guarded_nan, guarded_table, nan_outside, noise, owned_columns
 
 SECTION = "content/l4.md §8"
+TEST_SHAPES = dict(max_seqs=4, max_context=200, max_kv_heads=2, gqa_ratios=(1, 4), head_sizes=(3, 8, 16, 40),
+                   block_sizes=(16, 32), max_splits=12)
 LN2 = math.log(2)
 
 
@@ -167,11 +120,9 @@ def split_case(seq_lens, *, num_heads=8, num_kv_heads=2, head_size=16, block_siz
         qkv = noise((num_seqs, hd + 2 * num_kv_heads * head_size), dtype, device, gen)
         query = qkv[:, :hd].view(num_seqs, num_heads, head_size)
     else:
-        query = followed_by(noise((num_seqs, num_heads, head_size), dtype, "cpu", gen),
-                            torch.full((256,), float("nan")), device)
-    guard = spare[torch.randint(len(spare), (256,), generator=gen)]
+        query = guarded_nan(noise((num_seqs, num_heads, head_size), dtype, "cpu", gen), device)
     return SplitCase(query=query, k_cache=k_cache.to(dtype=dtype, device=device),
-                     v_cache=v_cache.to(dtype=dtype, device=device), block_table=followed_by(table, guard, device),
+                     v_cache=v_cache.to(dtype=dtype, device=device), block_table=guarded_table(table, spare, gen, device),
                      seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=device), scale=scale,
                      num_splits=num_splits, tail=tail)
 
@@ -188,9 +139,8 @@ def merge_example_case(device="cpu"):
         v_cache[table[0, pos // 2], pos % 2] = ex["values"][pos]
     spare = nan_outside(k_cache, table, [n], 2, "noise")
     nan_outside(v_cache, table, [n], 2, "noise")
-    return SplitCase(query=followed_by(torch.ones(1, 1, 1), torch.full((256,), float("nan")), device),
-                     k_cache=k_cache.to(device), v_cache=v_cache.to(device),
-                     block_table=followed_by(table, spare[torch.zeros(256, dtype=torch.long)], device),
+    return SplitCase(query=guarded_nan(torch.ones(1, 1, 1), device), k_cache=k_cache.to(device),
+                     v_cache=v_cache.to(device), block_table=guarded_table(table, spare, torch.Generator(), device),
                      seq_lens=torch.tensor([n], dtype=torch.int32, device=device), scale=1.0, num_splits=2)
 
 
@@ -300,7 +250,7 @@ def split_params(draw, dtypes=tuple(DTYPES)):
     """Keyword arguments for split_case: batch, lengths and split counts, with the
     lengths where split kernels go wrong (one token, fewer tokens than splits, whole
     blocks, one past) and split counts from 1 to more chunks than the context has tiles."""
-    shapes = DRILL.test_shapes
+    shapes = TEST_SHAPES
     block_size = draw(st.sampled_from(shapes["block_sizes"]))
     num_seqs = draw(st.integers(1, shapes["max_seqs"]))
     special = st.sampled_from([1, 2, block_size, block_size + 1, 2 * block_size, shapes["max_context"]])
@@ -342,38 +292,22 @@ def _close(a, b, atol, rtol):
     return torch.isclose(a.double(), b.double(), rtol=rtol, atol=atol).all(dim=-1)
 
 
-def check_out_buffer(guard, got, name):  # STAND-IN until [shape] (_diagnose.check_out_buffer)
-    """`out=` came back as itself, every element written, nothing written around it."""
-    if got is not None and (got.data_ptr() != guard.view.data_ptr() or got.shape != guard.view.shape):
-        raise Mismatch(f"{name} was given out= and must write into it and return it; it returned another tensor")
-    view = guard.view
-    poison = torch.tensor(_POISON[view.dtype], dtype=bits(view).dtype)
-    never = (bits(view).cpu() == poison)
-    if never.any():
-        idx = [int(i) for i in never.nonzero()[0]]
-        raise Mismatch(f"{name}: out{idx} was never written ({int(never.sum())} of {never.numel()} elements still "
-                       f"hold the NaN the test filled out with); every (sequence, query head, d) must be stored")
-    margin, size = guard.margin, view.numel()
-    outside = torch.cat([bits(guard.storage[:margin]) != bits(guard.initial[:margin]),
-                         bits(guard.storage[margin + size:]) != bits(guard.initial[margin + size:])])
-    if outside.any():
-        raise Mismatch(f"{name}: {int(outside.sum())} elements outside out were overwritten (written past the end "
-                       f"of out, or before its start): the stores are not masked to D, or out's row stride is wrong")
-
-
-def check_split_decode(case, got, guard=None, num_splits=None):
-    """paged_decode_attention_split's output: never-written and non-finite first, then
-    the tolerance; a wrong output is explained by the chunk mistake that reproduces it."""
-    name = "paged_decode_attention_split"
+def check_split_decode(case, got, returned=None, num_splits=None):
+    """paged_decode_attention_split's output. `got` is the Guarded buffer passed as out=
+    (or, for a call without out=, the tensor returned). The out= contract first (returned
+    itself, nothing written around it, nothing left unwritten), then non-finite outputs
+    as such, then the tolerance; a wrong output is explained by the chunk mistake that
+    reproduces it, named only on evidence (content/l4.md §8)."""
     query = case.query
-    if not isinstance(got, torch.Tensor) or tuple(got.shape) != tuple(query.shape):
-        raise Mismatch(f"{name} should return a tensor [B, H_q, D] = {tuple(query.shape)}, got "
-                       f"{type(got).__name__} {tuple(getattr(got, 'shape', ()))}")
+    if isinstance(got, Guarded):
+        check_out_buffer(got, returned)
+        got = got.view
+    elif not isinstance(got, torch.Tensor) or tuple(got.shape) != tuple(query.shape):
+        raise Mismatch(f"paged_decode_attention_split should return a tensor [B, H_q, D] = {tuple(query.shape)}, "
+                       f"got {type(got).__name__} {tuple(getattr(got, 'shape', ()))}")
     if got.dtype != query.dtype or got.device != query.device:
         raise Mismatch(f"the output must have the query's dtype and device ({query.dtype}, {query.device}); got "
                        f"{got.dtype}, {got.device} (content/l4.md §1)")
-    if guard is not None:
-        check_out_buffer(guard, got, name)
     out, want = got.cpu().double(), case.reference()
     atol, rtol = TOLERANCE[query.dtype]
     splits = num_splits or case.num_splits
@@ -387,13 +321,12 @@ def check_split_decode(case, got, guard=None, num_splits=None):
     pitfall, text = _explain_wrong(case, out, want, wrong, splits, atol, rtol, b, h)
     d = int((out[b, h] - want[b, h]).abs().argmax())
     rows = ", ".join(f"({int(i)}, {int(j)})" for i, j in wrong.nonzero()[:6])
-    error = Mismatch(f"{_where(case, b, h, splits)} is off: {text}\n"
-                     f"  sequence {b}, query head {h}, element {d}: expected {float(want[b, h, d]):.5g}, got "
-                     f"{float(out[b, h, d]):.5g} (tolerance {atol} + {rtol}·|expected|)\n"
-                     f"  {int(wrong.sum())} of {wrong.numel()} (sequence, query head) outputs wrong: {rows}"
-                     f"{', ...' if int(wrong.sum()) > 6 else ''}\n  {_describe(case, splits)}")
-    error.pitfalls = [pitfall] if pitfall else []
-    raise error
+    raise Mismatch(f"{_where(case, b, h, splits)} is off: {text}\n"
+                   f"  sequence {b}, query head {h}, element {d}: expected {float(want[b, h, d]):.5g}, got "
+                   f"{float(out[b, h, d]):.5g} (tolerance {atol} + {rtol}·|expected|)\n"
+                   f"  {int(wrong.sum())} of {wrong.numel()} (sequence, query head) outputs wrong: {rows}"
+                   f"{', ...' if int(wrong.sum()) > 6 else ''}\n  {_describe(case, splits)}",
+                   [pitfall] if pitfall else [])
 
 
 def _where(case, b, h, splits):
@@ -435,9 +368,7 @@ def _non_finite(case, out, bad, splits):
         text = (f"{head}. Where it can come from: a chunk past a short sequence's end left as 0/0 (content/l4.md "
                 f"§3), NaN read from a block no sequence owns or from the unused end of a last block (they hold "
                 f"NaN here; L2's masks carry over), or an LSE of -inf minus -inf in the merge (content/l4.md §4)")
-    error = Mismatch(text + f"\n  {_describe(case, splits)}")
-    error.pitfalls = pitfalls
-    return error
+    return Mismatch(text + f"\n  {_describe(case, splits)}", pitfalls)
 
 
 def _mistakes(case, splits):
@@ -466,19 +397,20 @@ def _mistakes(case, splits):
 
 
 def _explain_wrong(case, out, want, wrong, splits, atol, rtol, b, h):
-    """The tolerance rule: a mistake is named only where the output agrees with it and it
-    disagrees with the reference by far more than the tolerance; one that reproduces every
-    wrong output beats one that reproduces only this one."""
-    matches = []
+    """The tolerance rule (tests/_diagnose.py): a mistake reproduces this output within
+    tolerance where its output is far from the right one; it is named only when it also
+    reproduces every other output, wrong and right alike. A partial match is described."""
+    this = torch.zeros_like(wrong)
+    this[b, h] = True
+    partial = None
     for alt, tag, text in _mistakes(case, splits):
-        same = _close(out, alt, atol, rtol)
-        far = ~_close(want, alt, 10 * atol, 10 * rtol)
-        if same[b, h] and far[b, h]:
-            matches.append((not bool(same[wrong].all()), text, tag))
-    if matches:
-        partial, text, tag = min(matches, key=lambda m: m[0])
-        scope = "" if partial else "; so do all the other wrong outputs"
-        return tag, f"{text}{scope} (pitfall:{tag}, {SECTION})"
+        if not reproduces(out, want, alt, atol, rtol, this):
+            continue
+        if bool(_close(out, alt, atol, rtol).all()):
+            return tag, f"{text}; so do all the other outputs (pitfall:{tag}, {SECTION})"
+        partial = partial or text
+    if partial:
+        return None, f"{partial}; but other outputs do not fit that story, so it may be something else ({SECTION})"
     return None, (f"it matches none of the usual chunk mistakes (LSE in base 2, an unnormalised partial, the last "
                   f"chunk dropped); compare it with L2 on the same input: if L2's kernel is right there, the "
                   f"mistake is in the chunk bounds or the merge (content/l4.md §5)")
@@ -531,10 +463,8 @@ def check_merge(case, got):
         same = _close(got_v, alt_v, atol, rtol) & torch.isclose(got_s, alt_s.double(), rtol=s_rtol, atol=1e-5)
         far = ~_close(want_v, alt_v, 10 * atol, 10 * rtol) | ~torch.isclose(want_s, alt_s.double(), rtol=1e-4,
                                                                                atol=1e-3)
-        if same[r, h] and far[r, h]:
-            error = Mismatch(f"{name}: {where}; {text} (pitfall:{tag}, {SECTION})")
-            error.pitfalls = [tag]
-            raise error
+        if bool(same.all()) and far[r, h]:  # every result, wrong and right alike, as the mistake gives
+            raise Mismatch(f"{name}: {where}; {text} (pitfall:{tag}, {SECTION})", [tag])
     error = Mismatch(f"{name}: {where}; {int(wrong.sum())} of {wrong.numel()} (row, head) results wrong. The merge "
                      f"is s = log(e^s_a + e^s_b), v = (e^(s_a - s) v_a + e^(s_b - s) v_b) (content/l4.md §3)")
     error.pitfalls = []
@@ -609,14 +539,18 @@ PITFALLS = {
         edits=(('mask=parts < NUM_PARTS, other=float("-inf"))', 'mask=parts < NUM_PARTS - 1, other=float("-inf"))'),)),
 }
 
+_DIRECT_STORE = "tl.store(out_ptr + out_offs, part.to(out_ptr.dtype.element_ty), mask=q_mask)"
 
-def plant(pitfall, source):  # STAND-IN until [shape] (_wrong.plant)
-    """The reference's source with `pitfall` planted; each edit must apply exactly once."""
-    for old, new in PITFALLS[pitfall].edits:
-        if source.count(old) != 1:
-            raise ValueError(f"l4/{pitfall}: {old!r} appears {source.count(old)} times in the reference, not once")
-        source = source.replace(old, new)
-    return source
+# Wrong kernels that are none of the page's pitfalls: the grade must fail each and
+# name nothing, saying what is wrong instead.
+MISTAKES = {
+    "direct_store_forgotten": Mistake(shows="never written", edits=(
+        (_DIRECT_STORE, "pass  # planted: with one split, the answer is never stored"),
+    )),
+    "chunks_overlap": Mistake(shows="is off", edits=(
+        ("end = tl.minimum(start + chunk, seq_len)", "end = tl.minimum(start + chunk + TILE, seq_len)"),
+    )),
+}
 
 
 # ---------------------------------------------------------------------------
@@ -624,7 +558,8 @@ def plant(pitfall, source):  # STAND-IN until [shape] (_wrong.plant)
 
 
 def split_bytes(num_seqs, num_heads, num_kv_heads, head_size, context, dtype, **_):
-    """Every cached K and V read once, the query read and the output written once."""
+    """Every cached K and V read once, the query read and the output written once
+    (BENCHMARKS.md counts the same; the block table and seq_lens are left out)."""
     size = DTYPES[dtype].itemsize
     return 2 * num_seqs * context * num_kv_heads * head_size * size + 2 * num_seqs * num_heads * head_size * size
 
@@ -729,12 +664,12 @@ DRILL = Drill(
     mirrors="vLLM paged attention v2 / unified attention's 3-D path, FlashInfer merge_state",
     api=("merge_states_kernel", "merge_attention_states", "split_kv_kernel", "default_num_splits",
          "paged_decode_attention_split"),
-    test_shapes=dict(max_seqs=4, max_context=200, max_kv_heads=2, gqa_ratios=(1, 4), head_sizes=(3, 8, 16, 40),
-                     block_sizes=(16, 32), max_splits=12),
+    section=SECTION,
+    test_shapes=TEST_SHAPES,
+    pitfalls=PITFALLS,
+    mistakes=MISTAKES,
     # B=8 at 4096 moves 128 MiB (about 31 us at 4.3 TB/s): short, so graph replays. The other two move 1 GiB.
     bench=(_bench_case(8, 4096, graph=True), _bench_case(8, 32768, graph=False), _bench_case(64, 4096, graph=False)),
     bench_work=bench_work,
-    pitfalls=PITFALLS,
-    section=SECTION,
     page_checks=(check_worked_example, check_occupancy, check_self_tests),
 )
