@@ -155,7 +155,9 @@ class TreeModule:
         self._tree, self._stem = str(tree), stem
 
     def __getattr__(self, name):
-        if name.startswith("__"):
+        # Private names are not the module's API, and hypothesis asks for `_repr_pretty_`
+        # when it prints a failing example's arguments (this proxy among them).
+        if name.startswith("_"):
             raise AttributeError(name)
 
         def call(*args, **kwargs):
