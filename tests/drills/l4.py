@@ -127,6 +127,29 @@ def split_case(seq_lens, *, num_heads=8, num_kv_heads=2, head_size=16, block_siz
                      num_splits=num_splits, tail=tail)
 
 
+def spread_chunks(case):
+    """Give the keys a ramp along each sequence, so the chunks' LSEs differ by several
+    units: a wrong weight or an unnormalised partial then moves the answer far."""
+    group = case.query.shape[1] // case.k_cache.shape[2]
+    for b, n in enumerate(case.seq_lens.tolist()):
+        blocks = case.block_table[b, :math.ceil(n / case.block_size)].long()
+        ramp = torch.linspace(-2, 2, blocks.numel() * case.block_size, device=case.query.device)
+        k = case.k_cache[blocks].float() + ramp.view(-1, case.block_size, 1, 1) * case.query[b, ::group].float()
+        case.k_cache[blocks] = k.to(case.k_cache.dtype)
+    return case
+
+
+def last_tokens_score_highest(case, count=8):
+    """Each sequence's last `count` keys copy twice the query of their KV head's first
+    query head: dropping the last chunk (which holds them) moves every output."""
+    group = case.query.shape[1] // case.k_cache.shape[2]
+    for b, n in enumerate(case.seq_lens.tolist()):
+        for pos in range(n - count, n):
+            block, offset = case.block_table[b, pos // case.block_size].long(), pos % case.block_size
+            case.k_cache[block, offset] = 2 * case.query[b, ::group]
+    return case
+
+
 def merge_example_case(device="cpu"):
     """§3's example as a decode: one sequence, one head, D = 1, scale = 1, so each
     key is its score; block size 2 and num_splits = 2."""
