@@ -179,6 +179,17 @@ def test_matches_reference_for_each_dtype(drill, device, dtype):
     run(drill, _case(device, [1, 16, 17, 90], dtype=dtype, num_splits=3, seed=1))
 
 
+def test_agrees_with_l2_on_the_same_input(drill, device):
+    """L2's reference (tests/drills/l2.py, fp32) on the very case L4 gets: the split changes
+    how the answer is summed, never what it is."""
+    from drills.l2 import ref_paged_decode
+
+    case = _case(device, [1, 16, 17, 90, 200], num_splits=5, dtype=torch.float32, seed=18)
+    out = run(drill, case).cpu()
+    l2 = ref_paged_decode(*case.args(), scale=case.scale)
+    torch.testing.assert_close(out, l2, atol=1e-4, rtol=1e-4)
+
+
 @pytest.mark.parametrize("num_splits", [1, 2, 3, 7, 12])
 def test_every_split_count_gives_the_same_answer(drill, device, num_splits):
     run(drill, _case(device, [5, 64, 65, 200], num_splits=num_splits, seed=2))
