@@ -233,7 +233,8 @@ def ref_split_decode(case):
 def chunk_bounds(n, num_splits, align):
     """The [start, end) of each of num_splits chunks of n tokens, each ceil(n / num_splits)
     rounded up to a multiple of `align` long (the reference aligns to its tile)."""
-    chunk = -(-(-(-n // num_splits)) // align) * align
+    per_split = -(-n // num_splits)            # ceil(n / num_splits)
+    chunk = -(-per_split // align) * align      # rounded up to a multiple of align
     return [(min(i * chunk, n), min((i + 1) * chunk, n)) for i in range(num_splits)]
 
 
@@ -265,7 +266,7 @@ def merge_all(states):
 
 
 # ---------------------------------------------------------------------------
-# Hypothesis strategies (bounded by DRILL.test_shapes)
+# Hypothesis strategies (bounded by TEST_SHAPES)
 
 
 @st.composite
@@ -667,6 +668,26 @@ def check_occupancy(text):
         assert line in text, f"content/l4.md §2 should show {line}"
 
 
+def check_numbers_in_prose(text):
+    """§2, §3, §5.1 and §8: the bytes per program and of the partials, the chunks of the
+    §5.1 example, the weights of the base-2 mistake and of the float16 merge."""
+    assert 4096 * 128 * 2 * 2 == 2 * 2**20 and "共 2 MiB" in text  # K and V of one KV head of one sequence
+    partials = 8 * 32 * 8 * (128 + 1) * 4
+    assert abs(partials / 2**20 - 1) < 0.01 and "约 1 MiB" in text
+    assert chunk_bounds(200, 4, 64) == [(0, 64), (64, 128), (128, 192), (192, 200)]
+    assert "⌈200 / 4⌉ = 50" in text and "[0, 64)、[64, 128)、[128, 192)、[192, 200)" in text
+    assert [end > start for start, end in chunk_bounds(5, 4, 64)] == [True, False, False, False]
+    _on_page(text, 1 / LN2, 4, "1 / ln 2")
+    w_a = 1 / (1 + math.exp(1 / LN2))  # the chunks' LSEs differ by 1; read in base 2 the gap is 1 / ln 2
+    _on_page(text, w_a, 4, "chunk A's weight under the base-2 mistake")
+    _on_page(text, 1 - w_a, 4, "chunk B's weight under the base-2 mistake")
+    w_b = 1 / (1 + math.exp(-0.25))  # s = 1000 and 1000.25
+    _on_page(text, w_b, 4, "the float16 test's right weight of side b")
+    _on_page(text, 1 - w_b, 4, "the float16 test's right weight of side a")
+    assert torch.tensor(1000.25, dtype=torch.float16).item() == 1000.0  # float16 spacing near 1000 is 0.5
+    assert math.isinf(torch.tensor(60000.0, dtype=torch.float16) + torch.tensor(60000.0, dtype=torch.float16))
+
+
 def check_self_tests(text):
     """§9's answers."""
     t = SELF_TEST_MERGE
@@ -694,5 +715,5 @@ DRILL = Drill(
     # B=8 at 4096 moves 128 MiB (about 31 us at 4.3 TB/s): short, so graph replays. The other two move 1 GiB.
     bench=(_bench_case(8, 4096, graph=True), _bench_case(8, 32768, graph=False), _bench_case(64, 4096, graph=False)),
     bench_work=bench_work,
-    page_checks=(check_worked_example, check_occupancy, check_self_tests),
+    page_checks=(check_worked_example, check_occupancy, check_numbers_in_prose, check_self_tests),
 )
