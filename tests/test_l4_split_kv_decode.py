@@ -59,9 +59,11 @@ def _case(device, seq_lens, **kwargs):
 
 
 def _merge_of(device, v_a, s_a, v_b, s_b, dtype=torch.float32):
-    """A MergeCase of one row and one head from numbers (v as a list of D values)."""
-    v = lambda x: torch.tensor(x, dtype=torch.float32).view(1, 1, -1).to(dtype).to(device)  # noqa: E731
-    s = lambda x: torch.tensor([[x]], dtype=torch.float32, device=device)  # noqa: E731
+    """A MergeCase of one head from numbers: v_* a list of D values per row, or one row;
+    s_* a number per row, or one number."""
+    rows = lambda x: x if isinstance(x[0], list) else [x]  # noqa: E731
+    v = lambda x: torch.tensor(rows(x), dtype=torch.float32)[:, None].to(dtype).to(device)  # noqa: E731
+    s = lambda x: torch.tensor(x if isinstance(x, list) else [x], dtype=torch.float32, device=device)[:, None]  # noqa: E731
     return MergeCase(v(v_a), s(s_a), v(v_b), s(s_b))
 
 
@@ -141,9 +143,12 @@ def test_merge_keeps_the_lse_in_fp32(drill, device):
 
 @pytest.mark.pitfall("merge_in_fp16")
 def test_merge_of_large_values_does_not_overflow(drill, device):
-    """pitfall:merge_in_fp16: two halves of weight 1/2 each, v = 60000 (float16 holds up to
-    65504): summed before the division in float16, 60000 + 60000 overflows to inf."""
-    merged(drill, _merge_of(device, [60000.0] * 4, 2.0, [60000.0] * 4, 2.0, dtype=torch.float16))
+    """pitfall:merge_in_fp16: row 0, two halves of weight 1/2 each with v = 60000 (float16
+    holds up to 65504): summed before the division in float16, 60000 + 60000 overflows
+    to inf. Row 1 (v = 1000) comes out right in float16 too, and tells that mistake apart
+    from a merge that forgets to divide by the total weight."""
+    merged(drill, _merge_of(device, [[60000.0] * 4, [1000.0] * 4], [2.0, 2.0], [[60000.0] * 4, [1000.0] * 4],
+                            [2.0, 2.0], dtype=torch.float16))
 
 
 # Under the interpreter one example is a few kernel launches; shrinking reruns hundreds.
