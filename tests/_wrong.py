@@ -26,8 +26,13 @@ def edits_of(drill, name):
 
 def plant(drill, name, folder):
     """Write the reference with pitfall or mistake `name` planted to folder/<stem>.py; return folder."""
+    return plant_edits(drill, edits_of(drill, name), folder, name)
+
+
+def plant_edits(drill, edits, folder, name="edits"):
+    """Write the reference with `edits` ((exact text, replacement), each text found once) to folder/<stem>.py."""
     source = (ROOT / "solutions" / f"{drill.stem}.py").read_text()
-    for old, new in edits_of(drill, name):
+    for old, new in edits:
         if source.count(old) != 1:
             raise ValueError(f"{drill.stem}/{name}: {old!r} appears {source.count(old)} times in the reference, "
                              f"not once")

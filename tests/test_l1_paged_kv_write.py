@@ -11,7 +11,7 @@ from hypothesis import given
 
 from _diagnose import Mismatch, expect_value_error
 from _paged import DTYPES, caches_past_int32
-from drills.l1 import (WORKED_EXAMPLE, check_kv_write, check_slot_mapping, kv_write_case, kv_write_params,
+from drills.l1 import (WORKED_EXAMPLE, check_padding_not_read, check_kv_write, check_slot_mapping, kv_write_case, kv_write_params,
                        random_kv_write_case)
 
 ALL_DTYPES = list(DTYPES.values())
@@ -82,6 +82,16 @@ def test_padding_tokens_write_nothing(drill, device, padding):
     case = random_kv_write_case(context_lens=[2], new_lens=[real], padding=padding, block_size=4,
                                 num_heads=2, head_size=8, device=device)
     run(drill, case)
+
+
+@pytest.mark.pitfall("padding_written")
+def test_padding_tokens_read_nothing(drill, device):
+    """A padding token's key/value row must not even be read: counted under the CPU
+    interpreter (tests/_traffic.py), where every load's addresses are seen."""
+    case = random_kv_write_case(context_lens=[2, 9], new_lens=[3, 2], padding=[0, 3, 6], block_size=4,
+                                num_heads=2, head_size=8, device=device)
+    if not check_padding_not_read(drill, case):
+        pytest.skip("reads are counted only under the CPU interpreter")
 
 
 @pytest.mark.pitfall("row_stride_ignored")

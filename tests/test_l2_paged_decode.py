@@ -14,7 +14,7 @@ from hypothesis import given
 
 from _diagnose import Mismatch, expect_value_error
 from _paged import DTYPES, caches_past_int32, changed, poisoned_out, snapshot
-from drills.l2 import (DECODE_EXAMPLE, DecodeCase, check_paged_decode, decode_example_case, far_garbage_case,
+from drills.l2 import (DECODE_EXAMPLE, check_table_read_only_to_last_block, DecodeCase, check_paged_decode, decode_example_case, far_garbage_case,
                        large_logits_case, new_token_first_case, paged_decode_case, paged_decode_params,
                        rising_scores_case, small_case)
 
@@ -83,6 +83,15 @@ def test_block_table_entries_far_outside_the_cache_are_never_read(drill, device)
     """pitfall:reads_past_seq_len: here the garbage columns name blocks far past the cache's end,
     as a freed table row may; reading one faults on a GPU (and in the interpreter)."""
     run(drill, far_garbage_case(device))
+
+
+@pytest.mark.pitfall("reads_past_seq_len")
+def test_block_table_past_last_block_is_not_even_loaded(drill, device):
+    """pitfall:reads_past_seq_len when the K/V loads are masked: loading the whole table row
+    gives the right answer, yet reads garbage entries (a freed row may hold anything). Counted
+    under the CPU interpreter (tests/_traffic.py), where every load's addresses are seen."""
+    if not check_table_read_only_to_last_block(drill, _case(device, [5, 17, 32, 40], extra_columns=3, seed=6)):
+        pytest.skip("reads are counted only under the CPU interpreter")
 
 
 @pytest.mark.pitfall("wrong_gqa_mapping")

@@ -20,6 +20,7 @@ from _diagnose import Mismatch, describe_mistakes, known_mistakes
 from _drill import ELEMENT_SIZE, BenchCase, Drill, Mistake, Pitfall
 from _paged import DTYPES, Guarded, allocate_blocks, bits, guarded, noise, same_bits
 from _pages import section
+from _traffic import Part, measure, report, was_read
 from _tree import load_drill
 
 TEST_SHAPES = dict(max_seqs=4, max_new_tokens=6, max_context=40, max_heads=4, head_sizes=(1, 3, 8, 16, 24, 40),
@@ -349,7 +350,8 @@ PITFALLS = {
         ("token = tl.program_id(axis=0).to(tl.int64)", "token = tl.program_id(axis=0)"),
         ("slot = tl.load(slot_mapping_ptr + token).to(tl.int64)", "slot = tl.load(slot_mapping_ptr + token).to(tl.int32)"),
     ], crashes=True),
-    "padding_written": Pitfall(says="padding tokens (slot -1) are written too, to just before the cache", edits=[
+    "padding_written": Pitfall(says="padding tokens (slot -1) are not skipped: their rows are read, or written to just "
+                                    "before the cache", edits=[
         ("keep = cols < tl.where(slot >= 0, HD, 0)", "keep = cols < HD"),
     ]),
     "position_as_slot": Pitfall(says="the position is used as the slot: the block table is never consulted", edits=[
@@ -557,6 +559,71 @@ def picture(module, console):
 
 
 # ---------------------------------------------------------------------------
+# The traffic report (tests/_traffic.py): bytes moved under the CPU interpreter
+
+# The bench's shape (H=8, D=128, blocks of 16) shrunk to interpreter size, with padding
+# tokens among the real ones, as a batch padded for a CUDA graph has.
+TRAFFIC_CASE = dict(context_lens=[5, 30], new_lens=[4, 6], padding=[0, 7, 12], block_size=16, num_heads=2,
+                    head_size=32, dtype=torch.float16, slot_dtype=torch.int64)
+
+
+def traffic_case(device="cpu"):
+    return random_kv_write_case(**TRAFFIC_CASE, device=device, seed=3)
+
+
+def padding_rows_read(case, traffic):
+    """The padding tokens whose key or value row was loaded (L1 promises they read nothing)."""
+    pads = (case.slot_mapping < 0).nonzero().flatten().tolist()
+    return [t for t in pads if was_read(traffic.tensors[0], case.key[t]) or was_read(traffic.tensors[1], case.value[t])]
+
+
+def check_padding_not_read(module, case):
+    """Run reshape_and_cache on `case` with its loads counted: no padding token's key or
+    value row may be read (content/l1.md §8). Returns False where nothing can be counted
+    (a GPU), True when checked."""
+    _, counted = measure(module, "reshape_and_cache", *case.args())
+    if counted is None:
+        return False
+    check_kv_write(case)
+    pads = padding_rows_read(case, counted)
+    if pads:
+        raise Mismatch(f"the key/value rows of padding token(s) {pads} (slot -1) were read: a padding token must "
+                       f"read nothing, so its loads must be masked by the slot, not only by the row length "
+                       f"(content/l1.md §8)\n  {_describe(case)}", ["padding_written"])
+    return True
+
+
+def traffic(module):
+    """reshape_and_cache on TRAFFIC_CASE, its bytes against kv_write_bytes (the bandwidth
+    report's count), with where the extra bytes went in L1's words."""
+    case = traffic_case()
+    _, counted = measure(module, "reshape_and_cache", *case.args())
+    if counted is None:
+        return None
+    num_tokens, num_heads, head_size = case.key.shape
+    real = int((case.slot_mapping >= 0).sum())
+    row = num_heads * head_size * case.key.element_size()
+    parts = [Part("key/value", (0, 1), fewest_loaded=2 * real * row),
+             Part("slot_mapping", (4,), fewest_loaded=8 * num_tokens),
+             Part("caches", (2, 3), fewest_stored=2 * real * row)]
+    fewest = kv_write_bytes(num_tokens, num_heads, head_size, "float16", num_padding=num_tokens - real)
+    assert sum(p.fewest_loaded + p.fewest_stored for p in parts) == fewest  # the GPU report's bytes
+    where = []
+    pads = padding_rows_read(case, counted)
+    if pads:
+        where.append(f"padding rows were read (tokens {pads}): L1 promises that a padding token reads nothing, "
+                     f"so load a row only once its slot is known to be >= 0 ({DRILL.section}, pitfall:padding_written)")
+    result = report(DRILL.id, counted, parts, where)
+    rows = result["parts"]["key/value"]
+    if rows > 1.05 and not pads:
+        result["where"].append(f"key/value rows were loaded {rows:.2f}× their size: each real token's row once "
+                               f"is enough")
+    if result["stores"] > 1.05:
+        result["where"].append(f"the caches were written {result['stores']:.2f}× what the new tokens fill")
+    return result
+
+
+# ---------------------------------------------------------------------------
 # Page checks: every number content/l1.md works out
 
 
@@ -656,6 +723,7 @@ DRILL = Drill(
     bench_work=bench_work,
     picture=picture,
     draw_case=draw_case,
+    traffic=traffic,
     page_checks=(check_worked_example_table, check_self_test_slot, check_self_test_waste, check_paging_numbers,
                  check_self_test_offset, check_self_test_bytes_moved, check_int32_boundary),
 )

@@ -1,0 +1,214 @@
+"""The traffic report (tests/_traffic.py): the adapter over Triton's interpreter counts
+what a kernel loads and stores, fails loudly when Triton moves the hooks, the
+references move (almost) exactly the fewest bytes their drill's page counts, and
+three kernels that are right but wasteful are told apart by the report's words."""
+import pytest
+import torch
+import triton
+import triton.language as tl
+
+import _env
+import _traffic
+import _wrong
+from _manifest import drill as find_drill
+from _worker import WORKER, tree_module
+
+pytestmark = pytest.mark.skipif(not _env.INTERPRET, reason="bytes are counted only under the CPU interpreter")
+
+L1, L2, L4 = find_drill("l1"), find_drill("l2"), find_drill("l4")
+
+
+@triton.jit
+def _copy_and_gather(x_ptr, y_ptr, n, BLOCK: tl.constexpr):
+    i = tl.arange(0, BLOCK)
+    x = tl.load(x_ptr + i, mask=i < n)        # n lanes
+    first = tl.load(x_ptr + i // 4, mask=i < n)  # lanes of one load on one address: counted once
+    tl.store(y_ptr + i, x + first, mask=i < n)
+
+
+def _launch(x, y):
+    _copy_and_gather[(2,)](x, y, 10, BLOCK=16)
+
+
+# --- the adapter -----------------------------------------------------------------
+
+
+def test_the_interpreter_still_has_the_hooks():
+    """Fails loudly (naming the hook) the day Triton renames or reshapes one, on this
+    machine's Triton."""
+    _traffic.interpreter()
+
+
+def test_a_small_kernel_is_counted_exactly():
+    x, y = torch.arange(12, dtype=torch.float16), torch.zeros(12, dtype=torch.float16)
+    _, counted = _traffic.measure_here(_launch, [x, y], x, y)
+    read, written = counted.tensors
+    # Per program: 10 lanes of 2 bytes, then x[0..2] (3 distinct addresses); two programs.
+    assert (read.loaded, read.distinct_loaded, read.reread, read.stored) == (2 * (20 + 6), 20, 32, 0)
+    assert (written.stored, written.distinct_stored, written.loaded) == (40, 20, 0)
+    assert _traffic.was_read(read, x[:3]) and not _traffic.was_read(read, x[10:])
+    assert counted.launches == 1 and counted.outside.loaded == 0 and counted.scratch.loaded == 0
+
+
+def test_the_worker_counts_and_sends_the_counts_back():
+    """The learner's code runs in the worker, so the counting happens there."""
+    case = L1.traffic.__globals__["traffic_case"]()
+    module = tree_module("solutions", L1.stem)
+    _, counted = _traffic.measure(module, "reshape_and_cache", *case.args())
+    real = int((case.slot_mapping >= 0).sum())
+    row = case.key.shape[1] * case.key.shape[2] * 2
+    assert counted.tensors[0].loaded == counted.tensors[1].loaded == real * row
+    assert counted.tensors[2].stored == counted.tensors[3].stored == real * row
+
+
+def test_a_renamed_hook_fails_loudly(monkeypatch):
+    module = _traffic.interpreter()
+    monkeypatch.delattr(module.InterpreterBuilder, "create_masked_load")
+    with pytest.raises(_traffic.TrafficUnavailable, match="create_masked_load"):
+        _traffic.interpreter()
+
+
+def test_loads_routed_around_the_hook_fail_loudly_not_as_zero_bytes(monkeypatch):
+    """If Triton stopped funnelling plain loads and stores through the masked ones, the
+    report would read zero bytes: it must raise instead."""
+    module = _traffic.interpreter()
+    from triton._C.libtriton import interpreter as native  # what the builder calls underneath
+    import numpy as np
+
+    def load(self, ptr, cache_policy, is_volatile):
+        dtype = ptr.get_element_ty()
+        data = native.load(ptr.data, np.ones_like(ptr.data, dtype=bool),
+                           np.zeros_like(ptr.data, dtype=module._get_np_dtype(dtype)), module._get_np_dtype(dtype))
+        return module.TensorHandle(data, dtype)
+
+    def store(self, ptr, val, cache_policy):
+        return native.store(ptr.data, val.data, np.ones_like(ptr.data, dtype=bool))
+
+    monkeypatch.setattr(module.InterpreterBuilder, "create_load", load)
+    monkeypatch.setattr(module.InterpreterBuilder, "create_store", store)
+
+    @triton.jit
+    def unmasked_copy(x_ptr, y_ptr, BLOCK: tl.constexpr):
+        i = tl.arange(0, BLOCK)
+        tl.store(y_ptr + i, tl.load(x_ptr + i))
+
+    x, y = torch.ones(16), torch.zeros(16)
+    with pytest.raises(_traffic.TrafficUnavailable, match="no load or store reached"):
+        _traffic.measure_here(lambda: unmasked_copy[(1,)](x, y, BLOCK=16), [x, y])
+    assert torch.equal(y, x)
+
+
+# --- the references: the fewest bytes their pages count -----------------------------
+
+
+@pytest.mark.parametrize("entry", [L1, L2, L4], ids=lambda d: d.id)
+def test_the_reference_moves_the_fewest_bytes(entry):
+    """On the drill's traffic case (its bench case shrunk), the reference loads and stores
+    at most 1.05× what the bandwidth report counts, and nothing to explain."""
+    result = entry.traffic(tree_module("solutions", entry.stem))
+    assert result["loads"] <= 1.05 and result["stores"] <= 1.05, result["line"]
+    assert result["loads"] >= 1.0 and result["stores"] >= 1.0, result["line"]
+    assert result["tier"] == "at the roofline" and result["where"] == [], result
+
+
+# --- three kernels that are right but wasteful, told apart by the report ---------------
+
+# L1 "loads before the slot is known": the row loads are masked by the row length only.
+L1_PADDING_READ = (
+    ("k = tl.load(key_ptr + token * key_stride + cols, mask=keep)",
+     "k = tl.load(key_ptr + token * key_stride + cols, mask=cols < HD)"),
+    ("v = tl.load(value_ptr + token * value_stride + cols, mask=keep)",
+     "v = tl.load(value_ptr + token * value_stride + cols, mask=cols < HD)"),
+)
+# L2 without GQA grouping: one program per query head, each reading its KV head's K and V.
+L2_NO_GQA = (
+    ("kv_head = tl.program_id(1).to(tl.int64)",
+     "head = tl.program_id(1).to(tl.int64)\n    kv_head = head // (NUM_HEADS // NUM_KV_HEADS)"),
+    ("heads = kv_head * GROUP + rows", "heads = head + rows"),
+    ("paged_decode_kernel[(num_seqs, num_kv_heads)](", "paged_decode_kernel[(num_seqs, num_heads)]("),
+    ("HEAD_SIZE=head_size, GROUP=group,", "HEAD_SIZE=head_size, GROUP=1,"),
+)
+# L2 reading the block table once per token: a scalar load per token of the tile.
+L2_TABLE_PER_TOKEN = (
+    ("        block = tl.load(block_table_ptr + seq * table_stride + pos // BLOCK_SIZE, mask=live, other=0)\n",
+     "        block = tl.zeros([TILE], tl.int32)\n"
+     "        for t in tl.static_range(TILE):\n"
+     "            entry = tl.load(block_table_ptr + seq * table_stride + (start + t) // BLOCK_SIZE,\n"
+     "                            mask=start + t < seq_len, other=0)\n"
+     "            block = tl.where(tl.arange(0, TILE) == t, entry, block)\n"),
+)
+# L2 loading its whole block-table row, the K/V loads still masked: the answer is right.
+L2_WHOLE_ROW = (
+    ("pos // BLOCK_SIZE, mask=live, other=0)", "pos // BLOCK_SIZE, mask=pos < table_stride * BLOCK_SIZE, other=0)"),
+)
+
+SAYS = {"padding": "padding rows were read", "gqa": "once per query head", "table": "once per token",
+        "garbage": "past a sequence's last block"}
+
+
+def _planted(entry, edits, tmp_path):
+    return tree_module(_wrong.plant_edits(entry, edits, tmp_path / "tree"), entry.stem)
+
+
+def _said(result):
+    return {key for key, phrase in SAYS.items() if any(phrase in w for w in result["where"])}
+
+
+def test_l1_reading_padding_rows_is_right_but_reported(tmp_path):
+    from drills.l1 import check_kv_write, traffic_case
+    module = _planted(L1, L1_PADDING_READ, tmp_path)
+    case = traffic_case()
+    module.reshape_and_cache(*case.args())
+    check_kv_write(case)  # right
+    result = L1.traffic(module)
+    assert _said(result) == {"padding"}, result
+    assert result["parts"]["key/value"] > 1.05, result["line"]
+
+
+def test_l1_test_fails_a_kernel_that_reads_padding_rows(tmp_path):
+    from _diagnose import Mismatch
+    from drills.l1 import check_padding_not_read, random_kv_write_case
+    case = random_kv_write_case(context_lens=[2], new_lens=[3], padding=[1], block_size=4, num_heads=2, head_size=8)
+    with pytest.raises(Mismatch, match="padding token") as caught:
+        check_padding_not_read(_planted(L1, L1_PADDING_READ, tmp_path), case)
+    assert caught.value.pitfalls == ["padding_written"]
+
+
+def _l2_right(module):
+    from _paged import poisoned_out
+    from drills.l2 import check_paged_decode, traffic_case
+    case = traffic_case()
+    out = poisoned_out(case.query.shape, case.query.dtype, "cpu", torch.Generator().manual_seed(0))
+    check_paged_decode(case, out, module.paged_decode_attention(*case.args(), out=out.view))
+
+
+def test_l2_without_gqa_grouping_is_right_but_reported(tmp_path):
+    module = _planted(L2, L2_NO_GQA, tmp_path)
+    _l2_right(module)
+    result = L2.traffic(module)
+    assert _said(result) == {"gqa"}, result
+    assert result["parts"]["K/V"] == pytest.approx(4.0, rel=0.01) and result["tier"] == "wasteful", result["line"]
+
+
+def test_l2_reading_the_block_table_per_token_is_right_but_reported(tmp_path):
+    module = _planted(L2, L2_TABLE_PER_TOKEN, tmp_path)
+    _l2_right(module)
+    result = L2.traffic(module)
+    assert _said(result) == {"table"}, result
+    assert result["parts"]["block table"] >= 16, result["line"]
+
+
+def test_l2_loading_the_whole_table_row_is_right_but_fails_its_test(tmp_path):
+    """Today's value checks cannot see it (the K/V loads are masked); the counted reads do."""
+    from _diagnose import Mismatch
+    from drills.l2 import check_table_read_only_to_last_block, small_case
+    module = _planted(L2, L2_WHOLE_ROW, tmp_path)
+    _l2_right(module)
+    assert "garbage" in _said(L2.traffic(module))
+    with pytest.raises(Mismatch, match="was loaded") as caught:
+        check_table_read_only_to_last_block(module, small_case("cpu", [5, 17, 32, 40], extra_columns=3, seed=6))
+    assert caught.value.pitfalls == ["reads_past_seq_len"]
+
+
+def teardown_module():
+    WORKER.stop()
