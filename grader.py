@@ -29,6 +29,7 @@ import _env  # noqa: E402  -- first: decides CPU interpreter vs GPU
 import _commands  # noqa: E402
 import _grading  # noqa: E402
 import _picture  # noqa: E402
+import _traffic  # noqa: E402
 from _manifest import DRILLS, drill as find_drill  # noqa: E402
 from _tree import default_tree, tree_path  # noqa: E402
 from rich.console import Console  # noqa: E402
@@ -74,11 +75,34 @@ def show(console, grade):
             if s.get("picture"):
                 console.print(Text.from_ansi(s["picture"]))
 
+    _traffic_lines(console, grade)
     console.print()
     if grade.get("bench_note"):
         console.print(f"[dim]bandwidth: {grade['bench_note']}[/]")
         return
     _bench_table(console, grade)
+
+
+TIER_STYLE = {"at the roofline": "green", "fair": "yellow", "wasteful": "bold red", "not all counted": "yellow"}
+
+
+def _traffic_lines(console, grade):
+    """One line per drill: the bytes its traffic case moved against the fewest (CPU only)."""
+    rows = [s for s in grade["drills"] if s.get("traffic")]
+    if not rows:
+        return
+    console.print("\n[bold]traffic[/] · bytes each drill's traffic case moved in Triton's CPU interpreter, "
+                  "against the fewest the op needs (the bytes the GPU bandwidth report counts)")
+    for s in rows:
+        t = s["traffic"]
+        if "error" in t:
+            console.print(f"{s['id'].upper()}  [red]{t['error']}[/]")
+            continue
+        line = Text(t["line"].removesuffix(t["tier"]))
+        line.append(t["tier"], style=TIER_STYLE.get(t["tier"], ""))
+        console.print(line)
+        for where in t["where"]:
+            console.print(f"    [yellow]{where}[/]")
 
 
 def _failure_panel(s):
@@ -198,6 +222,9 @@ def main(argv=None):
             summary = _grading.grade_drill(drill, tree, args.timeout, workdir, args.test_timeout)
             if summary["status"] == "failing":
                 summary["picture"] = _picture.in_subprocess(drill, tree, console.width, console.is_terminal, workdir)
+            if summary["status"] != "not started" and _env.INTERPRET:  # on a GPU the bandwidth report speaks
+                spinner.update(f"counting {drill.id.upper()}'s bytes...")
+                summary["traffic"] = _traffic.in_subprocess(drill, tree)
             grade["drills"].append(summary)
         after, says_after = _grading.integrity()
         if ok and not after:  # something changed the machinery while it graded

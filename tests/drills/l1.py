@@ -707,6 +707,16 @@ def check_int32_boundary(text):
     assert last_slot == blocks * block_size - 1 and (last_slot + 1) * 1024 - 1 == 2**31 - 1
 
 
+def check_traffic_line(text):
+    """§1's traffic line is what the reference's traffic case gives (run here, in the
+    CPU interpreter; on a GPU there is nothing to count), and the case is the one described."""
+    p = TRAFFIC_CASE
+    assert (p["num_heads"], p["head_size"], p["block_size"]) == (2, 32, 16) and "H=2、D=32、block_size=16" in text
+    shown = re.search(r"^(L1  loads .*)$", text, re.M).group(1)
+    result = traffic(load_drill("solutions", "l1_paged_kv_write"))
+    assert result is None or shown == result["line"], f"the page shows {shown!r}, the reference gives {result['line']!r}"
+
+
 # ---------------------------------------------------------------------------
 
 DRILL = Drill(
@@ -724,6 +734,6 @@ DRILL = Drill(
     picture=picture,
     draw_case=draw_case,
     traffic=traffic,
-    page_checks=(check_worked_example_table, check_self_test_slot, check_self_test_waste, check_paging_numbers,
+    page_checks=(check_traffic_line, check_worked_example_table, check_self_test_slot, check_self_test_waste, check_paging_numbers,
                  check_self_test_offset, check_self_test_bytes_moved, check_int32_boundary),
 )

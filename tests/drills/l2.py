@@ -896,6 +896,17 @@ def check_int32_boundary(text):
     assert blocks * 16 * 8 * 128 * 2 == 2 * 2**30
 
 
+def check_traffic_line(text):
+    """§1's traffic line is what the reference's traffic case gives (run here, in the
+    CPU interpreter; on a GPU there is nothing to count), and the case is the one described."""
+    p = TRAFFIC_CASE
+    assert p["num_heads"] // p["num_kv_heads"] == 4 and "H_q = 8、H_kv = 2" in text and "D = 32" in text
+    assert (p["num_heads"], p["num_kv_heads"], p["head_size"], p["block_size"]) == (8, 2, 32, 16)
+    shown = re.search(r"^(L2  loads .*)$", text, re.M).group(1)
+    result = traffic(load_drill("solutions", "l2_paged_decode"))
+    assert result is None or shown == result["line"], f"the page shows {shown!r}, the reference gives {result['line']!r}"
+
+
 # ---------------------------------------------------------------------------
 
 DRILL = Drill(
@@ -914,7 +925,7 @@ DRILL = Drill(
     traffic=traffic,
     picture=picture,
     draw_case=draw_case,
-    page_checks=(check_worked_example, check_bench_bytes_and_flops, check_self_test_online_update,
+    page_checks=(check_traffic_line, check_worked_example, check_bench_bytes_and_flops, check_self_test_online_update,
                  check_self_test_small_batch_bytes, check_self_test_block_table_columns, check_self_test_gqa_mapping,
                  check_self_test_small_batch_grid, check_self_test_split_lse, check_int32_boundary),
 )

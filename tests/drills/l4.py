@@ -804,6 +804,17 @@ def check_self_tests(text):
 
 # ---------------------------------------------------------------------------
 
+def check_traffic_line(text):
+    """§1's traffic line is what the reference's traffic case gives (run here, in the
+    CPU interpreter; on a GPU there is nothing to count), and the case is the one described."""
+    p = TRAFFIC_CASE
+    assert (p["num_seqs"], p["context"], p["num_splits"]) == (2, 200, 4) and "两条序列、上下文 200、分 4 段" in text
+    shown = re.search(r"^(L4  loads .*)$", text, re.M).group(1)
+    from _tree import load_drill
+    result = traffic(load_drill("solutions", "l4_split_kv_decode"))
+    assert result is None or shown == result["line"], f"the page shows {shown!r}, the reference gives {result['line']!r}"
+
+
 DRILL = Drill(
     id="l4",
     stem="l4_split_kv_decode",
@@ -819,5 +830,5 @@ DRILL = Drill(
     bench=(_bench_case(8, 4096, graph=True), _bench_case(8, 32768, graph=False), _bench_case(64, 4096, graph=False)),
     bench_work=bench_work,
     traffic=traffic,
-    page_checks=(check_worked_example, check_occupancy, check_numbers_in_prose, check_self_tests),
+    page_checks=(check_traffic_line, check_worked_example, check_occupancy, check_numbers_in_prose, check_self_tests),
 )
