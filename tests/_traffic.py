@@ -213,7 +213,9 @@ def measure_here(fn, tensors, *args, **kwargs):
     load, store, call = builder.create_masked_load, builder.create_masked_store, executor.__call__
 
     def element_bytes(ptrs):
-        return ptrs.get_element_ty().primitive_bitwidth // 8
+        # get_element_ty() since Triton 3.1 or so; older interpreters spelled it dtype.element_ty
+        ty = ptrs.get_element_ty() if hasattr(ptrs, "get_element_ty") else ptrs.dtype.element_ty
+        return ty.primitive_bitwidth // 8
 
     def counted_load(self, ptrs, mask, other, *rest, **kw):
         recorder.access(ptrs.data, mask.data, element_bytes(ptrs), store=False)

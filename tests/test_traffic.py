@@ -210,5 +210,30 @@ def test_l2_loading_the_whole_table_row_is_right_but_fails_its_test(tmp_path):
     assert caught.value.pitfalls == ["reads_past_seq_len"]
 
 
+# --- the grade's line --------------------------------------------------------------
+
+
+def test_the_grade_computes_the_line_in_a_process_of_its_own_and_draws_it():
+    from rich.console import Console
+
+    import importlib.util
+
+    from _tree import ROOT
+    spec = importlib.util.spec_from_file_location("grader", ROOT / "grader.py")
+    grader = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(grader)
+
+    result = _traffic.in_subprocess(L2, ROOT / "solutions")
+    assert result["tier"] == "at the roofline" and result["line"].startswith("L2  loads 1.00× the fewest bytes")
+    stub = _traffic.in_subprocess(L2, ROOT / "mine")  # raises NotImplementedError: said, not a crash of the grade
+    assert "did not run" in stub["error"] and "NotImplementedError" in stub["error"]
+    wasteful = dict(result, tier="wasteful", line=result["line"].replace("at the roofline", "wasteful"),
+                    where=["K and V are read 4× — once per query head"])
+    console = Console(record=True, width=200)
+    grader._traffic_lines(console, dict(drills=[dict(id="l2", traffic=wasteful), dict(id="l1", traffic=None)]))
+    text = console.export_text()
+    assert text.count("loads ") == 1 and "· wasteful" in text and "once per query head" in text
+
+
 def teardown_module():
     WORKER.stop()
