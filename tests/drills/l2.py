@@ -695,7 +695,6 @@ def check_table_read_only_to_last_block(module, case):
     returned, counted = measure(module, "paged_decode_attention", *case.args(), **case.kwargs(), out=out.view)
     if counted is None:
         return False
-    check_paged_decode(case, out, returned)
     garbage = garbage_entries_read(case, counted)
     if garbage:
         b, c = garbage[0]
@@ -703,19 +702,20 @@ def check_table_read_only_to_last_block(module, case):
                        f"last block is column {-(-int(case.seq_lens[b]) // case.block_size) - 1}, and the entries "
                        f"past it are garbage ({len(garbage)} such entries loaded); mask the block-table load with "
                        f"pos < seq_len (content/l2.md §7)", ["reads_past_seq_len"])
+    check_paged_decode(case, out, returned)
     return True
 
 
-def traffic_parts(p, block_table=3, seq_lens=4, out=5, kv_bytes=None):
+def traffic_parts(p):
     """The fewest bytes of a decode step, tensor by tensor; they sum to decode_bytes (the
     bandwidth report's count). The indices are the tensors' places in the call."""
     size = ELEMENT_SIZE[p["dtype"]]
     kv = 2 * p["num_seqs"] * p["context"] * p["num_kv_heads"] * p["head_size"] * size
     rows = p["num_seqs"] * p["num_heads"] * p["head_size"] * size
     parts = [Part("K/V", (1, 2), fewest_loaded=kv), Part("query", (0,), fewest_loaded=rows),
-             Part("block table", (block_table,), fewest_loaded=4 * p["num_seqs"] * -(-p["context"] // p["block_size"])),
-             Part("seq_lens", (seq_lens,), fewest_loaded=4 * p["num_seqs"]),
-             Part("out", (out,), fewest_stored=rows)]
+             Part("block table", (3,), fewest_loaded=4 * p["num_seqs"] * -(-p["context"] // p["block_size"])),
+             Part("seq_lens", (4,), fewest_loaded=4 * p["num_seqs"]),
+             Part("out", (5,), fewest_stored=rows)]
     assert sum(x.fewest_loaded + x.fewest_stored for x in parts) == decode_bytes(**p)
     return parts
 
