@@ -20,7 +20,7 @@ LOG2E = 1.4426950408889634  # log2(e): exp(x) = exp2(x * LOG2E)
 
 
 @triton.jit
-def find_seq(query_start_loc_ptr, q_block, num_seqs, BLOCK_Q: tl.constexpr):
+def _find_seq(query_start_loc_ptr, q_block, num_seqs, BLOCK_Q: tl.constexpr):
     """The sequence that query block `q_block` belongs to. Sequence b's blocks are
     numbered from query_start_loc[b] // BLOCK_Q + b on (the wrapper's grid), so
     binary-search for the last b whose first block is <= q_block."""
@@ -57,7 +57,7 @@ def paged_prefill_kernel(
     # starting the long programs first leaves short ones to fill the tail.
     kv_head = tl.program_id(0).to(tl.int64)
     q_block = tl.num_programs(1) - 1 - tl.program_id(1)
-    seq = find_seq(query_start_loc_ptr, q_block, num_seqs, BLOCK_Q)
+    seq = _find_seq(query_start_loc_ptr, q_block, num_seqs, BLOCK_Q)
     q_start = tl.load(query_start_loc_ptr + seq)
     q_len = tl.load(query_start_loc_ptr + seq + 1) - q_start
     first = (q_block - q_start // BLOCK_Q - seq) * BLOCK_Q  # this block's first query, counted in its chunk

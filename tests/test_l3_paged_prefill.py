@@ -11,21 +11,25 @@ import pytest
 import torch
 from hypothesis import Phase, given, settings
 
-from _paged import bits, caches_past_int32
-from drills.l3 import (PREFILL_EXAMPLE, SECTION, Mismatch, PrefillCase, check_paged_prefill, example_case,
-                       example_outputs, expect_value_error, paged_prefill_case, prefill_params, ref_paged_prefill)
+from _diagnose import Mismatch, expect_value_error
+from _paged import caches_past_int32, changed, snapshot
+from drills.l3 import (SECTION, PrefillCase, check_paged_prefill, example_case, example_outputs, paged_prefill_case,
+                       prefill_params, ref_paged_prefill)
 
 ALL_DTYPES = [torch.float16, torch.bfloat16, torch.float32]
 
 
+INPUTS = ("query", "k_cache", "v_cache", "block_table", "query_start_loc", "seq_lens")
+
+
 def run(drill, case):
-    before = [bits(t).clone() for t in case.args()]
+    """Call (with the case's NaN-poisoned, guarded `out` unless it has none); check the
+    output, the buffer around it, and that every input is bit for bit what it was."""
+    before = snapshot(*case.args())
     returned = drill.paged_prefill_attention(*case.args(), **case.kwargs())
     check_paged_prefill(case, case.out if case.out is not None else returned, returned)
-    names = ("query", "k_cache", "v_cache", "block_table", "query_start_loc", "seq_lens")
-    for name, t, old in zip(names, case.args(), before):
-        if not torch.equal(bits(t), old):
-            raise Mismatch(f"{name} was modified: paged_prefill_attention must only read its inputs")
+    for i in changed(before):
+        raise Mismatch(f"{INPUTS[i]} was modified: paged_prefill_attention must only read its inputs")
     return returned
 
 
@@ -231,16 +235,4 @@ def test_large_cache_needs_int64_offsets(drill, device):
     except Mismatch as error:
         raise Mismatch(f"right in a small cache, wrong when the blocks start past 2**31 elements into the cache: "
                        f"offsets computed in int32 wrap around ({SECTION})\n{error}") from None
-
-
-# --- the page's numbers (until the shared content test reads DRILL.page_checks) --
-
-
-def test_page_numbers():
-    from _tree import ROOT
-    from drills.l3 import DRILL
-
-    text = (ROOT / DRILL.page).read_text()
-    for check in DRILL.page_checks:
-        check(text)
 

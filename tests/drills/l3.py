@@ -6,173 +6,16 @@ the bench workload; the page checks; DRILL.
 """
 import math
 import re
-from contextlib import contextmanager
-from dataclasses import dataclass, field
-from typing import Callable
+from dataclasses import dataclass
 
 import torch
 from hypothesis import strategies as st
 
 import _env
-from _paged import DTYPES, Guarded, allocate_blocks, bits, guarded, noise
-
-# ---------------------------------------------------------------------------
-# STAND-IN until [shape]: the shared pieces tests/_drill.py, tests/_paged.py and
-# tests/_diagnose.py will hold (same names, same meaning). Delete this block and
-# import them once the lead's [shape] commit is on main.
-
-
-@dataclass(frozen=True)
-class BenchCase:  # STAND-IN until [shape]
-    name: str
-    params: dict
-    bytes: int
-    flops: int = 0
-    graph: bool = False
-
-
-@dataclass(frozen=True)
-class Pitfall:  # STAND-IN until [shape]
-    says: str
-    edits: tuple
-
-
-@dataclass(frozen=True)
-class Drill:  # STAND-IN until [shape]
-    id: str
-    stem: str
-    title: str
-    mirrors: str
-    api: tuple
-    section: str
-    test_shapes: dict = field(default_factory=dict)
-    pitfalls: dict = field(default_factory=dict)
-    bench: tuple = ()
-    bench_work: Callable = None
-    page_checks: tuple = ()
-
-    @property
-    def page(self):
-        return f"content/{self.id}.md"
-
-
-class Mismatch(AssertionError):  # STAND-IN until [shape]
-    def __init__(self, message, pitfalls=()):
-        super().__init__(message)
-        self.pitfalls = list(pitfalls)
-
-
-@contextmanager
-def expect_value_error(what, section):  # STAND-IN until [shape]
-    try:
-        yield
-    except ValueError:
-        return
-    except NotImplementedError:
-        raise
-    except Exception as error:
-        raise Mismatch(f"{what} should raise ValueError naming the argument, but it raised "
-                       f"{type(error).__name__}: {error} ({section})") from error
-    raise Mismatch(f"{what} was accepted; it must be refused with a ValueError that names the argument and "
-                   f"the fix ({section})")
-
-
-GUARD = 256  # STAND-IN until [shape]
-_POISON_BITS = {torch.float16: 0x7D5A, torch.bfloat16: 0x7FA5, torch.float32: 0x7FA5A5A5}  # STAND-IN until [shape]
-
-
-def poison(dtype):  # STAND-IN until [shape]
-    width = {2: torch.int16, 4: torch.int32}[dtype.itemsize]
-    return torch.tensor([_POISON_BITS[dtype]], dtype=width).view(dtype)
-
-
-def never_written(t):  # STAND-IN until [shape]
-    return bits(t) == bits(poison(t.dtype).to(t.device))
-
-
-def poisoned_out(shape, dtype, device, gen, margin=None):  # STAND-IN until [shape]
-    margin = max(64, math.prod(shape[1:])) if margin is None else margin
-    g = guarded(shape, dtype, device, gen, margin)
-    g.view.copy_(poison(dtype).to(device).expand(shape))
-    g.initial = g.storage.clone()
-    return g
-
-
-def followed_by(t, guard, device):  # STAND-IN until [shape]
-    return torch.cat([t.flatten().cpu(), guard.to(t.dtype)]).to(device)[:t.numel()].view(t.shape)
-
-
-def owned_columns(seq_lens, block_size, width):  # STAND-IN until [shape]
-    need = (torch.as_tensor(seq_lens).long().cpu() + block_size - 1) // block_size
-    return torch.arange(width) < need[:, None]
-
-
-def nan_outside(cache, table, seq_lens, block_size, tail="noise"):  # STAND-IN until [shape]
-    owned = owned_columns(seq_lens, block_size, table.shape[1])
-    unowned = torch.ones(cache.shape[0], dtype=torch.bool)
-    unowned[table[owned].long()] = False
-    cache[unowned] = float("nan")
-    if tail == "nan":
-        for b, n in enumerate(seq_lens):
-            if n % block_size:
-                cache[table[b, n // block_size].long(), n % block_size:] = float("nan")
-    return unowned.nonzero().flatten()
-
-
-def check_out_buffer(out, returned, what="out"):  # STAND-IN until [shape]
-    if returned is not out.view:
-        raise Mismatch(f"the function must write into {what} and return it; it returned "
-                       f"{type(returned).__name__} {tuple(getattr(returned, 'shape', ()))} instead")
-    size = out.view.numel()
-    before = bits(out.storage[:out.margin]) != bits(out.initial[:out.margin])
-    after = bits(out.storage[out.margin + size:]) != bits(out.initial[out.margin + size:])
-    if bool(before.any()) or bool(after.any()):
-        raise Mismatch(f"{int(after.sum())} values were written past the end of {what} and {int(before.sum())} "
-                       f"before its start: a store without the row mask, or a row stride that is wrong")
-    unwritten = never_written(out.view)
-    if bool(unwritten.any()):
-        t, h = (int(x) for x in unwritten.nonzero()[0][:2])
-        raise Mismatch(f"{int(unwritten.sum())} of {size} elements of {what} were never written (they still hold "
-                       f"the NaN it was filled with before the call), the first at token {t}, query head {h}: a "
-                       f"store is missing or masked off for them, or their program exited early")
-
-
-def far_from(want, alt, atol, rtol, factor=10):  # STAND-IN until [shape]
-    return ~torch.isclose(alt, want, atol=factor * atol, rtol=factor * rtol)
-
-
-def reproduces(got, want, alt, atol, rtol, where):  # STAND-IN until [shape]
-    if not bool(where.any()):
-        return False
-    close = torch.isclose(got, alt, atol=atol, rtol=rtol)
-    far = far_from(want, alt, atol, rtol)
-    while close.dim() > where.dim():
-        close, far = close.all(dim=-1), far.any(dim=-1)
-    return bool(close[where].all()) and bool(far[where].all())
-
-_VARIANTS = {}
-
-
-def planted(name):  # STAND-IN until [shape]: _wrong.variant(DRILL, name)
-    """The reference with pitfall `name` planted, as a module (loaded once per process)."""
-    if name not in _VARIANTS:
-        import tempfile
-        from pathlib import Path
-
-        from _tree import ROOT, load_drill
-
-        source = (ROOT / "solutions" / "l3_paged_prefill.py").read_text()
-        for old, new in PITFALLS[name].edits:
-            if source.count(old) != 1:
-                raise ValueError(f"l3/{name}: {old!r} appears {source.count(old)} times in the reference, not once")
-            source = source.replace(old, new)
-        folder = Path(tempfile.mkdtemp(prefix="drills-wrong-")) / name
-        folder.mkdir()
-        (folder / "l3_paged_prefill.py").write_text(source)
-        _VARIANTS[name] = load_drill(str(folder), "l3_paged_prefill")
-    return _VARIANTS[name]
-
-# --- end of STAND-IN --------------------------------------------------------
+import _wrong
+from _diagnose import Mismatch, check_out_buffer, far_from, reproduces
+from _drill import ELEMENT_SIZE, BenchCase, Drill, Pitfall
+from _paged import DTYPES, GUARD, Guarded, allocate_blocks, followed_by, nan_outside, noise, poisoned_out
 
 SECTION = "content/l3.md §8"
 TEST_SHAPES = dict(max_seqs=4, max_chunk=64, max_context=96, max_kv_heads=2, gqa_ratios=(1, 4, 8),
@@ -524,7 +367,7 @@ def _explain_wrong(case, got, want, wrong, atol, rtol):
                 f"wrong sequence for its query block (pitfall:wrong_seq_lookup, {SECTION})"), "wrong_seq_lookup"
     try:
         args = (*case.args()[:5], case.seq_lens)
-        alt = planted("wrong_seq_lookup").paged_prefill_attention(*args, scale=case.scale).double().cpu()
+        alt = _wrong.variant(DRILL, "wrong_seq_lookup").paged_prefill_attention(*args, scale=case.scale).double().cpu()
     except Exception:  # the variant cannot run on this input: no evidence
         alt = None
     if alt is not None and reproduces(got, want, alt, atol, rtol, wrong):
@@ -617,8 +460,6 @@ def prefill_bytes(num_seqs, q_len, context, num_heads, num_kv_heads, head_size, 
     q_and_out = 2 * num_seqs * q_len * num_heads * head_size * size
     return kv + q_and_out + 4 * num_seqs * -(-seq_len // block_size) + 4 * (2 * num_seqs + 1)
 
-
-ELEMENT_SIZE = {"float16": 2, "bfloat16": 2, "float32": 4}
 
 
 def _bench_case(name, num_seqs, q_len, context):
