@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 import _env
 import _wrong
 from _diagnose import Mismatch, check_out_buffer, far_from, reproduces
-from _drill import ELEMENT_SIZE, BenchCase, Drill, Pitfall
+from _drill import ELEMENT_SIZE, BenchCase, Drill, Mistake, Pitfall
 from _paged import DTYPES, GUARD, Guarded, allocate_blocks, followed_by, nan_outside, noise, poisoned_out
 
 SECTION = "content/l3.md §8"
@@ -441,6 +441,21 @@ PITFALLS = {
 }
 
 
+# Other wrong kernels: the grade must fail each one and name no pitfall.
+_STORE = "tl.store(out_ptr + out_offs, out.to(out_ptr.dtype.element_ty), mask=row_live[:, None] & dim_live[None, :])"
+
+MISTAKES = {
+    "store_forgotten": Mistake(shows="never written", edits=(
+        (_STORE, "pass  # planted: the store is forgotten"),)),
+    "stores_padded_rows": Mistake(shows="written past the end of out", edits=(
+        (_STORE, _STORE.replace("mask=row_live[:, None] & dim_live[None, :]", "mask=dim_live[None, :]")),)),
+    "last_partial_block_dropped": Mistake(shows="last, partly filled block", edits=(
+        ("end = tl.minimum(context_len + first + BLOCK_Q, seq_len)",
+         "end = tl.minimum(context_len + first + BLOCK_Q, "
+         "tl.where(seq_len >= BLOCK_SIZE, seq_len // BLOCK_SIZE * BLOCK_SIZE, seq_len))"),)),
+}
+
+
 # ---------------------------------------------------------------------------
 # The bench workload
 
@@ -623,6 +638,7 @@ DRILL = Drill(
     section=SECTION,
     test_shapes=TEST_SHAPES,
     pitfalls=PITFALLS,
+    mistakes=MISTAKES,
     bench=BENCH,
     bench_work=bench_work,
     page_checks=(check_worked_example, check_bench_flops_and_bytes, check_self_test_positions, check_self_test_grid,
