@@ -105,6 +105,14 @@ def test_gqa_head_mapping(drill, device, num_heads, num_kv_heads):
 # --- the rest of the contract ------------------------------------------------
 
 
+@pytest.mark.parametrize("group", [1, 4], ids=["group1", "group4"])
+def test_causal_boundary_just_past_a_tile_edge(drill, device, group):
+    """Prefixes of 14, 30 and 62 tokens put a block's first query one key before a tile
+    edge (position + 2 a multiple of 16, 32, 64): the key right after it is the first one
+    it must not see, and a mask-free tile that runs one key too far lets it in."""
+    run(drill, _case(device, [5, 17, 3, 1], [62, 30, 14, 46], num_heads=2 * group, num_kv_heads=2, seed=17))
+
+
 def test_decode_only_batch_is_l2(drill, device):
     """Every q_len = 1: the answer is L2's, one new token attending to its whole sequence."""
     case = _case(device, [1, 1, 1, 1], [0, 15, 16, 40], seed=8)
