@@ -24,6 +24,7 @@ from pathlib import Path
 
 from _report import read_signed
 from _tree import ROOT
+from _worker import die_with_parent
 
 _CHILDREN = set()  # live process groups, killed on Ctrl-C or SIGTERM
 RESTARTS = 3       # fresh test processes after the test process itself dies
@@ -35,7 +36,7 @@ def run_process(cmd, timeout, env=None, pass_fds=()):
     # One thread per child: the tensors are tiny, and two graders side by side on a
     # 2-core machine would otherwise oversubscribe it several times over.
     proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, stdin=subprocess.DEVNULL,
-                            text=True, start_new_session=True, pass_fds=pass_fds,
+                            text=True, start_new_session=True, pass_fds=pass_fds, preexec_fn=die_with_parent,
                             env={"OMP_NUM_THREADS": "1", **os.environ, **(env or {})})
     _CHILDREN.add(proc.pid)
     try:
@@ -189,9 +190,10 @@ def _evidence(drill, ordered):
         ([p for p in r["pitfalls"] if p in (r.get("pitfall_test") or ())] for r in ordered
          if set(r.get("pitfalls") or ()) & set(r.get("pitfall_test") or ()) and not r.get("example")), [])
     # A name is withdrawn when a fixed test that exists to catch that pitfall failed
-    # without naming it: the evidence contradicts itself, so it is no evidence.
-    named = [p for p in named if all(p in (r.get("pitfalls") or ()) for r in ordered
-                                     if p in (r.get("pitfall_test") or ()) and not r.get("example"))]
+    # without naming it (and without being unable to tell: a racing mistake): the
+    # evidence contradicts itself, so it is no evidence.
+    named = [p for p in named if all(p in (r.get("pitfalls") or ()) or p in (r.get("undecided") or ())
+                                     for r in ordered if p in (r.get("pitfall_test") or ()) and not r.get("example"))]
     crashes = [r for r in ordered if r.get("kind") in ("crash", "timeout")]
     if crashes and not named:
         common = set.intersection(*(set(r.get("pitfall_test") or ()) for r in crashes))
