@@ -222,6 +222,14 @@ def test_rejects_bad_input(drill, device, what):
         drill.paged_prefill_attention(*_bad_inputs(device)[what])
 
 
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a second device type")
+def test_rejects_tensors_on_two_devices(drill):
+    case = _case("cuda", [3, 5], [4, 0], out=False)
+    query, k_cache, v_cache, table, starts, lens = case.args()
+    with expect_value_error("seq_lens on the CPU with the rest on the GPU", "content/l3.md §6"):
+        drill.paged_prefill_attention(query, k_cache, v_cache, table, starts, lens.cpu())
+
 # Last: a kernel that overflows int32 may read far outside the cache and crash the process.
 def test_large_cache_needs_int64_offsets(drill, device):
     """A cache of more than 2**31 elements: slot * H_kv * D no longer fits in int32. The
