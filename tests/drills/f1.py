@@ -217,6 +217,14 @@ class AppendCase:
     spare_pages: list            # pages no sequence owns
     inputs: torch.Tensor         # the storage key/value are views of ...
     inputs_initial: torch.Tensor  # ... and its contents before the call
+    indices_initial: tuple = ()  # copies of the five index arrays (kv_indices with its guard)
+
+    def __post_init__(self):
+        self.indices_initial = tuple(t.clone() for t in self.index_arrays())
+
+    def index_arrays(self):
+        guarded_indices = self.kv_indices.new_empty(0).set_(self.kv_indices.untyped_storage())
+        return (self.batch_indices, self.positions, guarded_indices, self.kv_indptr, self.kv_last_page_len)
 
     @staticmethod
     def _view(guard, storage):
@@ -544,6 +552,10 @@ def check_append(case):
     findings += _explain_cache(case, "v_cache", got_v, before_v, want_v, case.value)
     if not torch.equal(bits(case.inputs), bits(case.inputs_initial)):
         findings.append("append_key/append_value were modified: they must only be read")
+    names = ("batch_indices", "positions", "kv_indices", "kv_indptr", "kv_last_page_len")
+    for name, now, before in zip(names, case.index_arrays(), case.indices_initial):
+        if not torch.equal(now, before):
+            findings.append(f"{name} was modified: the page table and the token indices must only be read")
     if not findings:
         return
     error = Mismatch("\n  ".join(findings) + "\n  " + case.describe())
