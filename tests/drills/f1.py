@@ -49,6 +49,12 @@ class Pitfall:
 
 
 @dataclass(frozen=True)
+class Mistake:
+    edits: tuple
+    shows: str
+
+
+@dataclass(frozen=True)
 class Drill:
     id: str
     stem: str
@@ -58,6 +64,7 @@ class Drill:
     section: str
     test_shapes: dict = field(default_factory=dict)
     pitfalls: dict = field(default_factory=dict)
+    mistakes: dict = field(default_factory=dict)
     bench: tuple = ()
     bench_work: object = None
     page_checks: tuple = ()
@@ -71,7 +78,7 @@ def followed_by(t, guard, device):
 def plant(drill, name, folder):
     """The reference with one pitfall's edits applied, written to folder/<stem>.py."""
     source = (ROOT / "solutions" / f"{drill.stem}.py").read_text()
-    for old, new in drill.pitfalls[name].edits:
+    for old, new in (drill.pitfalls.get(name) or drill.mistakes[name]).edits:
         if source.count(old) != 1:
             raise ValueError(f"{drill.stem}/{name}: {old!r} appears {source.count(old)} times, not once")
         source = source.replace(old, new)
@@ -602,6 +609,18 @@ PITFALLS = {
 }
 
 
+# Wrong kernels that are none of the page's pitfalls: the grade must fail them and
+# name no pitfall; each first failure must show the phrase `shows`.
+MISTAKES = {
+    "entry_one_too_far": Mistake(shows="wrong entry", edits=(
+        ("entry = pos % page_size", "entry = (pos + 1) % page_size"),)),
+    "page_not_looked_up": Mistake(shows="wrong page", edits=(
+        ("page = tl.load(kv_indices_ptr + page_iter).to(tl.int64)", "page = page_iter.to(tl.int64)"),)),
+    "key_stored_as_value": Mistake(shows="v_cache", edits=(
+        ("tl.store(v_cache_ptr + dst, v, mask=keep)", "tl.store(v_cache_ptr + dst, k, mask=keep)"),)),
+}
+
+
 # ---------------------------------------------------------------------------
 # Bench: 65536 tokens appended by 512 requests into 2 GiB caches.
 
@@ -767,6 +786,7 @@ DRILL = Drill(
     section=SECTION,
     test_shapes=TEST_SHAPES,
     pitfalls=PITFALLS,
+    mistakes=MISTAKES,
     bench=(_bench_case("NHD"), _bench_case("HND")),
     bench_work=bench_work,
     page_checks=(check_page_example, check_self_tests, check_bench_numbers),
