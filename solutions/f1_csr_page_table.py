@@ -187,7 +187,8 @@ def _check_append_inputs(key, value, batch_indices, positions, k_cache, v_cache,
                          f"got {tuple(key.shape)} and {tuple(value.shape)}")
     if k_cache.dim() != 4 or k_cache.shape != v_cache.shape or k_cache.stride() != v_cache.stride():
         raise ValueError(f"k and v caches must be 4-D with one shape and one set of strides; got shapes "
-                         f"{tuple(k_cache.shape)}, {tuple(v_cache.shape)}, strides {k_cache.stride()}, {v_cache.stride()}")
+                         f"{tuple(k_cache.shape)}, {tuple(v_cache.shape)}, "
+                         f"strides {k_cache.stride()}, {v_cache.stride()}")
     heads = (k_cache.shape[2], k_cache.shape[3]) if kv_layout == "NHD" else (k_cache.shape[1], k_cache.shape[3])
     if heads != tuple(key.shape[1:]):
         raise ValueError(f"the {kv_layout} cache {tuple(k_cache.shape)} holds (H, D) = {heads}, "

@@ -8,8 +8,6 @@ Caches are built the way L1 builds them: pages come from one shuffled pool
 the block table is then turned into CSR by the reference. Every cache sits in a
 guarded allocation of noise and is compared bit for bit, guards included.
 """
-import importlib.util
-import math
 import re
 import tempfile
 from dataclasses import dataclass, field
@@ -414,9 +412,10 @@ def check_csr(block_table, seq_lens, page_size, got, module_call=None):
             break
     if error is None:
         return
-    names_found = known_mistakes(DRILL, lambda m: tuple(t.cpu() for t in m.block_table_to_csr(block_table, seq_lens, page_size)),
-                                 tuple(t.cpu() for t in got))
-    raise name_pitfalls(Mismatch(f"{error}\n  block_table={table}, seq_lens={lens}, page_size={page_size}"), names_found)
+    names = known_mistakes(DRILL, lambda m: tuple(t.cpu() for t in m.block_table_to_csr(block_table, seq_lens,
+                                                                                       page_size)),
+                           tuple(t.cpu() for t in got))
+    raise name_pitfalls(Mismatch(f"{error}\n  block_table={table}, seq_lens={lens}, page_size={page_size}"), names)
 
 
 def check_batch_indices_positions(append_indptr, seq_lens, nnz, got):
@@ -425,7 +424,8 @@ def check_batch_indices_positions(append_indptr, seq_lens, nnz, got):
         raise Mismatch(f"batch_indices_positions should return (batch_indices, positions), got {type(got).__name__}")
     for name, g in zip(("batch_indices", "positions"), got):
         if g.dtype != torch.int32 or g.shape != (nnz,):
-            raise Mismatch(f"{name} should be int32 of shape ({nnz},), got {g.dtype} {tuple(g.shape)} (content/f1.md §5)")
+            raise Mismatch(f"{name} should be int32 of shape ({nnz},), got {g.dtype} {tuple(g.shape)} "
+                           f"(content/f1.md §5)")
     gb, gp = (g.cpu() for g in got)
     wrong = ((gb != want[0]) | (gp != want[1])).nonzero().flatten().tolist()
     if not wrong:
@@ -442,8 +442,8 @@ def check_batch_indices_positions(append_indptr, seq_lens, nnz, got):
     error = Mismatch(f"token {t} should get (batch index, position) = ({b}, {int(want[1][t])}), got "
                      f"({int(gb[t])}, {int(gp[t])}): {why} (content/f1.md §5)\n  {len(wrong)} of {nnz} tokens wrong; "
                      f"append_indptr={indptr}, seq_lens={lens}")
-    names = known_mistakes(DRILL, lambda m: tuple(x.cpu() for x in m.batch_indices_positions(append_indptr, seq_lens, nnz)),
-                           (gb, gp))
+    names = known_mistakes(DRILL, lambda m: tuple(x.cpu() for x in m.batch_indices_positions(append_indptr, seq_lens,
+                                                                                            nnz)), (gb, gp))
     raise name_pitfalls(error, names)
 
 
@@ -507,7 +507,8 @@ def _explain_cache(case, name, got, before, want, rows):
             other = next((u for u in range(len(places)) if places[u] is not None
                           and torch.equal(bits(g[page, entry]), bits(rows[u]))), None)
             if other is not None:
-                findings.append(f"{name}: {where} should hold {_token(case, t)} but holds {_token(case, other)}'s values")
+                findings.append(f"{name}: {where} should hold {_token(case, t)} but holds "
+                                f"{_token(case, other)}'s values")
             else:
                 cols = (bits(g[page, entry]) != bits(rows[t])).flatten().nonzero().flatten()
                 first, hd = int(cols[0]), rows.shape[2]
@@ -530,7 +531,8 @@ def _explain_cache(case, name, got, before, want, rows):
 def _found_swapped(case, cache, page, entry, row):
     """True when `row` [H, D] sits at (page, entry) read with the entry and head strides exchanged."""
     s_page = cache.stride(0)
-    s_entry, s_head = (cache.stride(1), cache.stride(2)) if case.kv_layout == "NHD" else (cache.stride(2), cache.stride(1))
+    nhd = case.kv_layout == "NHD"
+    s_entry, s_head = (cache.stride(1), cache.stride(2)) if nhd else (cache.stride(2), cache.stride(1))
     storage = next(g.storage for g in case.storages if g.storage.untyped_storage().data_ptr()
                    == cache.untyped_storage().data_ptr())
     h, d = row.shape
@@ -594,7 +596,8 @@ PITFALLS = {
     "int32_offsets": Pitfall(
         says="page * stride_page is computed in int32 and wraps around once the cache passes 2**31 elements", edits=(
             ("token = tl.program_id(axis=0).to(tl.int64)", "token = tl.program_id(axis=0)"),
-            ("page = tl.load(kv_indices_ptr + page_iter).to(tl.int64)", "page = tl.load(kv_indices_ptr + page_iter)"),)),
+            ("page = tl.load(kv_indices_ptr + page_iter).to(tl.int64)",
+             "page = tl.load(kv_indices_ptr + page_iter)"),)),
     "last_page_len_as_position": Pitfall(
         says="every token is written at the end of the last page (kv_last_page_len - 1), where a decode step's "
              "single token goes, instead of at its own position", edits=(
@@ -739,7 +742,8 @@ def _pages_table(title, case, labels, shown):
     for entry in range(case.page_size):
         table.add_column(f"+{entry}", justify="center")
     for page in shown:
-        owner = _whose_page(case, page).split(" (")[0].replace("sequence ", "seq ").replace("a page no seq owns", "spare")
+        owner = _whose_page(case, page).split(" (")[0].replace("sequence ", "seq ")
+        owner = "spare" if owner.startswith("a page") else owner
         table.add_row(str(page), owner, *[labels[page, e] for e in range(case.page_size)])
     return table
 
