@@ -21,6 +21,7 @@ def paged_decode_kernel(
     out_ptr, query_ptr, k_cache_ptr, v_cache_ptr, block_table_ptr, seq_lens_ptr,
     scale,
     query_stride,              # elements from one sequence's query row to the next
+    out_stride,                # the same for the output (the caller may own it)
     table_stride,              # elements from one block-table row to the next
     NUM_HEADS, NUM_KV_HEADS,
     BLOCK_SIZE: tl.constexpr,  # tokens per cache block
@@ -47,18 +48,20 @@ def paged_decode_kernel(
     raise NotImplementedError("paged_decode_kernel is not written yet: see content/l2.md §5")
 
 
-def paged_decode_attention(query, k_cache, v_cache, block_table, seq_lens, scale=None):
+def paged_decode_attention(query, k_cache, v_cache, block_table, seq_lens, scale=None, out=None):
     """Attention of one new token per sequence over its paged K/V; returns [B, H_q, D].
 
     query [B, H_q, D]: a row-strided view is fine, each sequence's [H_q, D] must
     be contiguous. k_cache/v_cache [num_blocks, block_size, H_kv, D], contiguous,
     H_q a multiple of H_kv. block_table [B, max_blocks] and seq_lens [B] (>= 1,
     the new token included) are int32 or int64. scale=None means 1/sqrt(D).
-    The output is a new tensor in query's dtype. Raise ValueError, naming the
+    The output has query's shape and dtype: written into `out` when one is
+    given (each sequence's [H_q, D] contiguous; return `out` itself), else a
+    new tensor. Raise ValueError, naming the
     argument and the fix, for mismatched shapes, dtypes or devices, H_q not a
     multiple of H_kv, a non-contiguous cache and (on the CPU) seq_lens outside
     1..max_blocks * block_size or blocks outside the cache.
     """
     # TODO(l2): check the inputs (content/l2.md §6), allocate the output with
-    # torch.empty, then launch one program per (sequence, KV head) (§5, §6).
+    # torch.empty unless `out` was given, then launch one program per (sequence, KV head) (§5, §6).
     raise NotImplementedError("paged_decode_attention is not written yet: see content/l2.md §5 and §6")

@@ -21,6 +21,7 @@ def paged_decode_kernel(
     out_ptr, query_ptr, k_cache_ptr, v_cache_ptr, block_table_ptr, seq_lens_ptr,
     scale,
     query_stride,              # elements from one sequence's query row to the next
+    out_stride,                # the same for the output (the caller may own it)
     table_stride,              # elements from one block-table row to the next
     NUM_HEADS, NUM_KV_HEADS,
     BLOCK_SIZE: tl.constexpr,  # tokens per cache block
@@ -81,24 +82,26 @@ def paged_decode_kernel(
         m = m_new
 
     out = acc / l[:, None]
-    out_offs = (seq * NUM_HEADS + heads)[:, None] * HEAD_SIZE + dims[None, :]
+    out_offs = seq * out_stride + heads[:, None] * HEAD_SIZE + dims[None, :]
     tl.store(out_ptr + out_offs, out.to(out_ptr.dtype.element_ty), mask=q_mask)
 
 
-def paged_decode_attention(query, k_cache, v_cache, block_table, seq_lens, scale=None):
-    """Attention of one new token per sequence over its paged K/V; returns [B, H_q, D]."""
-    _check_inputs(query, k_cache, v_cache, block_table, seq_lens)
+def paged_decode_attention(query, k_cache, v_cache, block_table, seq_lens, scale=None, out=None):
+    """Attention of one new token per sequence over its paged K/V; returns [B, H_q, D]
+    (written into `out` when given, as vLLM lets the caller own the output)."""
+    _check_inputs(query, k_cache, v_cache, block_table, seq_lens, out)
     num_seqs, num_heads, head_size = query.shape
     block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
     group = num_heads // num_kv_heads
     scale = 1.0 / math.sqrt(head_size) if scale is None else float(scale)
-    out = torch.empty((num_seqs, num_heads, head_size), dtype=query.dtype, device=query.device)
+    if out is None:
+        out = torch.empty((num_seqs, num_heads, head_size), dtype=query.dtype, device=query.device)
     if num_seqs == 0:
         return out
     d_pad = max(16, triton.next_power_of_2(head_size))
     paged_decode_kernel[(num_seqs, num_kv_heads)](
         out, query, k_cache, v_cache, block_table, seq_lens,
-        scale, query.stride(0), block_table.stride(0), num_heads, num_kv_heads,
+        scale, query.stride(0), out.stride(0), block_table.stride(0), num_heads, num_kv_heads,
         BLOCK_SIZE=block_size, HEAD_SIZE=head_size, GROUP=group,
         GROUP_PAD=max(16, triton.next_power_of_2(group)), D_PAD=d_pad,
         TILE=64 if d_pad <= 128 else 32,  # keeps a K or V tile at 16 KiB in 16-bit
@@ -108,7 +111,7 @@ def paged_decode_attention(query, k_cache, v_cache, block_table, seq_lens, scale
     return out
 
 
-def _check_inputs(query, k_cache, v_cache, block_table, seq_lens):
+def _check_inputs(query, k_cache, v_cache, block_table, seq_lens, out):
     # The kernel reads sequence b's query at b * query_stride, a cache token at
     # slot * H_kv * D, and trusts the block table for every live token; refuse
     # every input for which that is not true.
@@ -136,6 +139,11 @@ def _check_inputs(query, k_cache, v_cache, block_table, seq_lens):
     if len({query.dtype, k_cache.dtype, v_cache.dtype}) != 1:
         raise ValueError(f"query, k_cache, v_cache must share one dtype; got "
                          f"{query.dtype}, {k_cache.dtype}, {v_cache.dtype}")
+    if out is not None and (out.shape != query.shape or out.dtype != query.dtype or out.device != query.device):
+        raise ValueError(f"out must have the query's shape, dtype and device {tuple(query.shape)}, {query.dtype}, "
+                         f"{query.device}; got {tuple(out.shape)}, {out.dtype}, {out.device}")
+    if out is not None and num_seqs > 0 and not out[0].is_contiguous():
+        raise ValueError(f"each sequence's row of out must be H_q*D contiguous values (got strides {out.stride()})")
     tensors = (query, k_cache, v_cache, block_table, seq_lens)
     if len({t.device for t in tensors}) != 1:
         raise ValueError(f"all tensors must be on one device; got {[str(t.device) for t in tensors]}")

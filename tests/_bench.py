@@ -4,7 +4,7 @@ measured copy ceiling and the plain-PyTorch baselines.
     python tests/_bench.py --drill l1 --tree solutions   # one drill, printed as JSON
     python tests/_bench.py --ceiling                     # the copy ceiling alone
 
-grader.py runs it in a process of its own. How it measures (METHOD.md's rules):
+grader.py runs it in a process of its own (`in_subprocess`, `ceiling_in_subprocess`). How it measures (METHOD.md's rules):
 - the ceiling is a 1 GiB device-to-device copy_ timed with events, outside a CUDA
   graph (inside one, torch's copy ran 37 % slower on an H200);
 - every time is a median after warm-up; ops under ~100 us are timed as CUDA-graph
@@ -21,7 +21,6 @@ import _env
 import torch
 from triton.testing import do_bench, do_bench_cudagraph
 
-import _paged
 from _manifest import drill as find_drill
 from _tree import load_drill
 
@@ -49,12 +48,11 @@ def tier(fraction):
 def bench_drill(drill_id, tree, ceiling):
     drill = find_drill(drill_id)
     module = load_drill(tree, drill.stem)
-    make_work = getattr(_paged, f"{drill.id}_bench")
     l2 = torch.cuda.get_device_properties(0).L2_cache_size
     cases = []
     for case in drill.bench:
         n_sets = max(1, min(32, math.ceil(4 * l2 / case.bytes)))
-        ours, baselines = make_work(module, case.params, "cuda", n_sets)
+        ours, baselines = drill.bench_work(module, case.params, "cuda", n_sets)
 
         def row(fn, graph):
             fn()  # compile and warm outside the timed region
@@ -71,6 +69,24 @@ def bench_drill(drill_id, tree, ceiling):
         del ours, baselines
         torch.cuda.empty_cache()
     return cases
+
+
+def in_subprocess(drill, tree, ceiling, timeout):
+    """The bench of one drill, run in a process of its own: its JSON, or {"error": ...}."""
+    from _grading import run_process
+    code, out, err = run_process([sys.executable, "tests/_bench.py", "--drill", drill.id, "--tree", str(tree),
+                                  "--ceiling-gbps", str(ceiling)], timeout)
+    if code != 0:
+        return {"error": "timed out" if code is None else "\n".join(err.strip().splitlines()[-6:])}
+    return json.loads(out.strip().splitlines()[-1])
+
+
+def ceiling_in_subprocess(timeout):
+    from _grading import run_process
+    code, out, err = run_process([sys.executable, "tests/_bench.py", "--ceiling"], timeout)
+    if code != 0:
+        raise RuntimeError(f"could not measure the copy ceiling: {err.strip()[-400:]}")
+    return json.loads(out.strip().splitlines()[-1])["ceiling_gbps"]
 
 
 def main():

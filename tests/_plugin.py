@@ -1,31 +1,40 @@
 """The seam between the shared tests and a tree (a pytest plugin that
-pyproject.toml loads with `-p _plugin`).
+pyproject.toml loads with `-p _plugin`). Names no drill.
 
 `--tree` / DRILLS_TREE choose mine/ (default), solutions/ or a folder; tests get
-the drill module from the `drill` fixture and never import a tree themselves.
+the drill module from the `drill` fixture, which runs it in a worker process
+(tests/_worker.py), and never import a tree themselves.
 """
 import os
+import sys
+from pathlib import Path
 
 import _env  # noqa: F401  -- first: sets TRITON_INTERPRET before anything imports Triton
 import pytest
-from hypothesis import HealthCheck, settings
+from hypothesis import HealthCheck, Phase, settings
 
 from _manifest import BY_STEM, DRILLS
-from _tree import default_tree, load_drill, tree_path
+from _tree import default_tree, tree_path
+from _worker import TIMEOUT, WORKER, tree_module
 
 # Under the CPU interpreter every Triton program runs in Python: few, small examples.
 _common = dict(deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
                print_blob=True)
 settings.register_profile("cpu", max_examples=20, **_common)
 settings.register_profile("gpu", max_examples=100, **_common)
-settings.register_profile("quick", max_examples=5, **_common)  # the grader's own tests
+# Planted bugs: a few examples, and no shrinking (a failure is explained as found).
+settings.register_profile("quick", max_examples=5, phases=(Phase.explicit, Phase.reuse, Phase.generate), **_common)
 settings.load_profile(os.environ.get("DRILLS_HYPOTHESIS_PROFILE", "cpu" if _env.INTERPRET else "gpu"))
 
 
 def pytest_addoption(parser):
     parser.addoption("--tree", default=None,
                      help="which drill modules to test: mine (default), solutions, or a folder (also DRILLS_TREE)")
-    parser.addoption("--drills-report", default=None, help="(grader) write one JSON line per test to this file")
+    parser.addoption("--drills-report", default=None, help="(grading run) write signed JSON lines to this file")
+    parser.addoption("--drills-key-fd", type=int, default=None, help="(grading run) read the signing key here")
+    parser.addoption("--drills-variants", default=None,
+                     help="(planted-bug run) a folder of <name>/<stem>.py trees: run each against the tests that "
+                          "can reveal it")
 
 
 def pytest_configure(config):
@@ -36,13 +45,57 @@ def pytest_configure(config):
     if config.getoption("--drills-report"):
         import _report
 
-        config.pluginmanager.register(_report.Reporter(config.getoption("--drills-report")), "drills-report")
+        fd = config.getoption("--drills-key-fd")
+        key = os.read(fd, 256) if fd is not None else b""
+        if fd is not None:
+            os.close(fd)
+        config.pluginmanager.register(_report.Reporter(config.getoption("--drills-report"), key), "drills-report")
 
 
-def pytest_collection_modifyitems(items):
+def _variants(config):
+    folder = config.getoption("--drills-variants")
+    return sorted(p.name for p in Path(folder).iterdir() if p.is_dir()) if folder else []
+
+
+def pytest_generate_tests(metafunc):
+    names = _variants(metafunc.config)
+    if names and "variant" in metafunc.fixturenames:
+        metafunc.parametrize("variant", names, scope="module")
+
+
+def pytest_collection_modifyitems(config, items):
     for item in items:
         stem = item.path.stem.removeprefix("test_")
         item.add_marker(BY_STEM[stem].id if stem in BY_STEM else "meta")
+    if not _variants(config):
+        return
+    # A planted pitfall runs against the tests marked with it and the page's worked
+    # example; any other planted mistake against the worked example and every test
+    # marked with any pitfall (the fixed cases that exist to catch mistakes).
+    keep, drop = [], []
+    for item in items:
+        callspec = getattr(item, "callspec", None)
+        name = callspec.params.get("variant") if callspec else None
+        stem = item.path.stem.removeprefix("test_")
+        drill = BY_STEM.get(stem)
+        if name is None or drill is None:
+            drop.append(item)
+            continue
+        marked = {m.args[0] for m in item.iter_markers("pitfall")}
+        if (name not in drill.pitfalls and marked) or name in marked or "worked_example" in item.name:
+            keep.append(item)
+        else:
+            drop.append(item)
+    config.hook.pytest_deselected(items=drop)
+    items[:] = keep
+
+
+def pytest_runtest_setup(item):
+    WORKER.budget = TIMEOUT  # each test gets its own time for the learner's code
+
+
+def pytest_sessionfinish(session):
+    WORKER.stop()
 
 
 @pytest.fixture(scope="session")
@@ -52,12 +105,28 @@ def tree(request):
 
 
 @pytest.fixture(scope="module")
-def drill(request, tree):
-    """The module of this test file's drill, imported from the chosen tree."""
+def variant():
+    """The planted bug under test (--drills-variants); None in a normal run."""
+    return None
+
+
+@pytest.fixture(scope="module")
+def drill(request, tree, variant):
+    """The module of this test file's drill, from the chosen tree (or planted variant),
+    run in a worker process."""
     stem = request.path.stem.removeprefix("test_")
-    return load_drill(str(tree), stem)
+    if variant is not None:
+        tree = Path(request.config.getoption("--drills-variants")) / variant
+    path = Path(tree) / f"{stem}.py"
+    if not path.is_file():
+        pytest.fail(f"{path} does not exist: make reset DRILL={BY_STEM[stem].id} restores the stub", pytrace=False)
+    return tree_module(tree, stem)
 
 
 @pytest.fixture(scope="session")
 def device():
     return _env.DEVICE
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit("this is a pytest plugin: pyproject.toml loads it with -p _plugin")

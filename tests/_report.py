@@ -1,16 +1,39 @@
-"""A pytest plugin for the grader: one JSON line per test, written as the run goes.
+"""A pytest plugin for the grading run: one signed JSON line per test, written as
+the run goes. Names no drill.
 
-A line `{"start": nodeid, "pitfalls": [...]}` goes out before each test, so if
-the process dies (a segfault, an illegal memory access, a hang killed by the
-grader) the grader still knows which test it was in, and which pitfalls that
-test exists to catch (its `@pytest.mark.pitfall(...)` marks).
+A line `{"start": nodeid, "pitfalls": [...]}` goes out before each test, so if the
+test process dies the grading run still knows which test it was in. Each line is
+signed with a key the grading run hands over through a pipe, so a line written by
+anything else (the learner's code appending "passed" to the file) is detected.
 """
+import hashlib
+import hmac
 import json
+import os
 import traceback
 
 import pytest
 
 from _diagnose import Mismatch, explain_error
+from _worker import LearnerCrash, LearnerError, LearnerTimeout
+
+
+def sign(key, text):
+    return hmac.new(key, text.encode(), hashlib.sha256).hexdigest()
+
+
+def read_signed(path, key):
+    """(records, forged): the lines of a report whose signature checks, and how many do not."""
+    records, forged = [], 0
+    if not os.path.exists(path):
+        return records, forged
+    for line in open(path, encoding="utf-8", errors="replace"):
+        text, _, mac = line.rstrip("\n").rpartition("\t")
+        if text and hmac.compare_digest(sign(key, text), mac):
+            records.append(json.loads(text))
+        elif line.strip():
+            forged += 1
+    return records, forged
 
 
 def _first_leaf(error):
@@ -28,47 +51,70 @@ def classify(error):
     if any(isinstance(e, NotImplementedError) for e in chain):
         stub = next(e for e in chain if isinstance(e, NotImplementedError))
         return "not_implemented", str(stub)
+    if isinstance(error, LearnerCrash):
+        meaning = explain_error(str(error))
+        return "crash", str(error) + (f"\n  which usually means: {meaning}" if meaning else "")
+    if isinstance(error, LearnerTimeout):
+        return "timeout", str(error)
     if isinstance(error, Mismatch):
         return "mismatch", str(error)
     if isinstance(error, AssertionError):
         return "mismatch", str(error).split("\nassert ")[0]
-    message = f"{type(error).__name__}: {error}"
+    message = str(error) if isinstance(error, LearnerError) else f"{type(error).__name__}: {error}"
     meaning = explain_error(message)
     return "error", message + (f"\n  which usually means: {meaning}" if meaning else "")
 
 
 def _where(error, tree):
-    """The last line of the tree's own code that the exception passed through."""
-    frames = [f for f in traceback.extract_tb(_first_leaf(error).__traceback__) if f.filename.startswith(tree)]
+    """Where in the tree's own code the exception was raised."""
+    error = _first_leaf(error)
+    if getattr(error, "where", None):
+        return error.where
+    frames = [f for f in traceback.extract_tb(error.__traceback__) if tree and f.filename.startswith(tree)]
     return f"{frames[-1].filename}:{frames[-1].lineno}: {frames[-1].line}" if frames else None
 
 
+def _variant(item):
+    callspec = getattr(item, "callspec", None)
+    return callspec.params.get("variant") if callspec else None
+
+
+def _trim(text, lines=12):
+    text = (text or "").strip("\n").splitlines()
+    return "\n".join(text[-lines:]) if text else ""
+
+
 class Reporter:
-    def __init__(self, path):
-        self.out = open(path, "a", buffering=1)
+    def __init__(self, path, key):
+        self.out = open(path, "a", buffering=1, encoding="utf-8")
+        self.key = key
 
     def _write(self, **record):
-        self.out.write(json.dumps(record) + "\n")
+        text = json.dumps(record)
+        self.out.write(f"{text}\t{sign(self.key, text)}\n")
 
     def pytest_collection_finish(self, session):
-        self._write(collected=len(session.items))
+        self._write(collected=[item.nodeid for item in session.items],
+                    variants=[_variant(item) for item in session.items])
 
     @pytest.hookimpl(tryfirst=True)
     def pytest_runtest_setup(self, item):
-        self._write(start=item.nodeid, pitfalls=[m.args[0] for m in item.iter_markers("pitfall")])
+        self._write(start=item.nodeid, variant=_variant(item),
+                    pitfalls=[m.args[0] for m in item.iter_markers("pitfall")])
 
     @pytest.hookimpl(hookwrapper=True)
     def pytest_runtest_makereport(self, item, call):
         report = (yield).get_result()
         if report.when == "call" or report.failed or report.skipped:
-            record = dict(test=item.nodeid, name=item.name, outcome=report.outcome)
+            record = dict(test=item.nodeid, name=item.name, outcome=report.outcome, variant=_variant(item),
+                          pitfall_test=[m.args[0] for m in item.iter_markers("pitfall")])
             if report.failed and call.excinfo is not None:
                 error = call.excinfo.value
                 record["kind"], record["message"] = classify(error)
-                tree = str(item.config.getoption("--tree") or "")
-                record["where"] = _where(error, str(item.funcargs.get("tree", tree)))
+                record["where"] = _where(error, str(item.funcargs.get("tree", "")))
                 record["example"] = "\n".join(getattr(_first_leaf(error), "__notes__", []))
                 record["pitfalls"] = list(getattr(_first_leaf(error), "pitfalls", []))
+                record["stdout"], record["stderr"] = _trim(report.capstdout), _trim(report.capstderr)
             self._write(**record)
 
     def pytest_unconfigure(self):

@@ -1,63 +1,50 @@
-"""Known-wrong solutions: the reference with exactly one pitfall planted.
+"""Known-wrong solutions: the reference with exactly one mistake planted.
 
-tests/wrong/<stem>.py maps each pitfall named on the drill's page to what the
-mistake is (`says`) and the edits that plant it in solutions/<stem>.py.
-Keeping edits instead of whole copies means a change to the reference carries
-over to every variant, and an edit that no longer applies fails loudly instead
-of silently testing nothing.
+A drill's module lists its page's pitfalls (`Drill.pitfalls`) and other wrong
+kernels the grade must not misname (`Drill.mistakes`), each as (exact text,
+replacement) edits of solutions/<stem>.py. Keeping edits instead of whole copies
+means a change to the reference carries over to every variant, and an edit that
+no longer applies fails loudly instead of silently testing nothing.
 
-The diagnosis runs these variants on a learner's failing input: if the
-learner's output is bit for bit a variant's, that variant's mistake is named.
+The diagnosis runs these variants (trusted code, in the test process) on a
+learner's failing input; tests/test_wrong.py grades each one.
 """
-import importlib.util
+import atexit
+import shutil
 import tempfile
 from pathlib import Path
 
 from _tree import ROOT, load_drill
 
-_FOLDER = None  # where this process plants the variants it loads
+_FOLDER = None  # where this process plants the variants it loads; removed at exit
 
 
-def _catalogue(stem):
-    path = ROOT / "tests" / "wrong" / f"{stem}.py"
-    if not path.exists():
-        return None
-    spec = importlib.util.spec_from_file_location(f"wrong_{stem}", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+def edits_of(drill, name):
+    entry = drill.pitfalls.get(name) or drill.mistakes[name]
+    return entry.edits
 
 
-def pitfalls(stem):
-    """{pitfall name: {"says": ..., "edits": [(old, new), ...]}}, or {} if none yet."""
-    catalogue = _catalogue(stem)
-    return catalogue.PITFALLS if catalogue else {}
-
-
-def section(stem):
-    """Where the drill's page explains its pitfalls, e.g. 'content/l1.md §8'."""
-    return _catalogue(stem).SECTION
-
-
-def plant(stem, pitfall, folder):
-    """Write the reference with `pitfall` planted to folder/<stem>.py; return folder."""
-    source = (ROOT / "solutions" / f"{stem}.py").read_text()
-    for old, new in pitfalls(stem)[pitfall]["edits"]:
+def plant(drill, name, folder):
+    """Write the reference with pitfall or mistake `name` planted to folder/<stem>.py; return folder."""
+    source = (ROOT / "solutions" / f"{drill.stem}.py").read_text()
+    for old, new in edits_of(drill, name):
         if source.count(old) != 1:
-            raise ValueError(f"{stem}/{pitfall}: {old!r} appears {source.count(old)} times in the reference, not once")
+            raise ValueError(f"{drill.stem}/{name}: {old!r} appears {source.count(old)} times in the reference, "
+                             f"not once")
         source = source.replace(old, new)
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
-    (folder / f"{stem}.py").write_text(source)
+    (folder / f"{drill.stem}.py").write_text(source)
     return folder
 
 
-def variant(stem, pitfall):
-    """The module of the reference with `pitfall` planted, loaded once per process."""
+def variant(drill, name):
+    """The module of the reference with `name` planted, loaded once per process."""
     global _FOLDER
     if _FOLDER is None:
         _FOLDER = Path(tempfile.mkdtemp(prefix="drills-wrong-"))
-    folder = _FOLDER / pitfall
-    if not (folder / f"{stem}.py").exists():
-        plant(stem, pitfall, folder)
-    return load_drill(str(folder), stem)
+        atexit.register(shutil.rmtree, _FOLDER, ignore_errors=True)
+    folder = _FOLDER / drill.id / name
+    if not (folder / f"{drill.stem}.py").exists():
+        plant(drill, name, folder)
+    return load_drill(str(folder), drill.stem)

@@ -18,8 +18,8 @@ def grader(*args, cwd=ROOT, env=None):
 @pytest.fixture
 def clone(tmp_path):
     """A fresh clone of the committed repository, where a learner has started L1."""
-    subprocess.run(["git", "clone", "-q", str(ROOT), str(tmp_path / "repo")], check=True)
-    if not (tmp_path / "repo/mine/l1_paged_kv_write.py").exists():
+    cloned = subprocess.run(["git", "clone", "-q", str(ROOT), str(tmp_path / "repo")], capture_output=True)
+    if cloned.returncode != 0 or not (tmp_path / "repo/mine/l1_paged_kv_write.py").exists():
         pytest.skip("this copy of the repository has no git history of its own (reset and hints need it)")
     return tmp_path / "repo"
 

@@ -13,26 +13,27 @@ import pytest
 import torch
 from hypothesis import Phase, given, settings
 
-from _diagnose import Mismatch, check_paged_decode, expect_value_error
-from _paged import (DECODE_EXAMPLE, DTYPES, DecodeCase, caches_past_int32, decode_example_case, paged_decode_case,
-                    paged_decode_params)
+from _diagnose import Mismatch, expect_value_error
+from _paged import DTYPES, caches_past_int32, changed, poisoned_out, snapshot
+from drills.l2 import (DECODE_EXAMPLE, DecodeCase, check_paged_decode, decode_example_case, paged_decode_case,
+                       paged_decode_params)
 
 ALL_DTYPES = list(DTYPES.values())
 
 
+INPUTS = ("query", "k_cache", "v_cache", "block_table", "seq_lens")
+
+
 def run(drill, case):
-    # The output is a new tensor, so it cannot be poisoned directly. Freeing a
-    # NaN tensor of its size first makes the next torch.empty of that size
-    # likely to get the same memory (always, on a GPU's caching allocator), so
-    # an element the kernel never writes reads NaN instead of a stale answer.
-    torch.full(case.query.shape, float("nan"), dtype=case.query.dtype, device=case.query.device)
-    before = [t.clone() for t in case.args()]
-    out = drill.paged_decode_attention(*case.args(), **case.kwargs())
-    check_paged_decode(case, out)
-    for name, t, old in zip(("query", "k_cache", "v_cache", "block_table", "seq_lens"), case.args(), before):
-        if not torch.equal(t.nan_to_num(), old.nan_to_num()):
-            raise Mismatch(f"{name} was modified: paged_decode_attention must only read its inputs")
-    return out
+    """Call with a NaN-poisoned `out` inside a guarded buffer; check the output, the
+    buffer around it, and that every input is bit for bit what it was."""
+    out = poisoned_out(case.query.shape, case.query.dtype, case.query.device, torch.Generator().manual_seed(0))
+    before = snapshot(*case.args())
+    returned = drill.paged_decode_attention(*case.args(), **case.kwargs(), out=out.view)
+    check_paged_decode(case, out, returned)
+    for i in changed(before):
+        raise Mismatch(f"{INPUTS[i]} was modified: paged_decode_attention must only read its inputs")
+    return out.view
 
 
 def _case(device, seq_lens, **kwargs):
@@ -73,8 +74,9 @@ def test_nan_in_last_block_tail_is_not_loaded(drill, device):
 
 @pytest.mark.pitfall("reads_past_seq_len")
 def test_block_table_past_seq_len_is_never_read(drill, device):
-    """pitfall:reads_past_seq_len: wide block table, garbage columns point at NaN blocks."""
-    run(drill, _case(device, [16, 32, 1, 20], extra_columns=6, seed=4))
+    """pitfall:reads_past_seq_len: garbage columns point at NaN blocks. Sequence 0 uses every
+    column of the table, so it has none to read and must come out right either way."""
+    run(drill, _case(device, [128, 32, 1, 20], extra_columns=0, seed=4))
 
 
 @pytest.mark.pitfall("wrong_gqa_mapping")
@@ -160,6 +162,12 @@ def test_sequences_of_exactly_full_blocks(drill, device):
     run(drill, _case(device, [32, 64, 16], block_size=32, seed=14))
 
 
+def test_allocates_the_output_when_out_is_none(drill, device):
+    case = _case(device, [9, 40], seed=16)
+    out = drill.paged_decode_attention(*case.args(), **case.kwargs())
+    check_paged_decode(case, out)
+
+
 def test_empty_batch(drill, device):
     case = _case(device, [3])
     out = drill.paged_decode_attention(case.query[:0], case.k_cache, case.v_cache, case.block_table[:0],
@@ -215,6 +223,16 @@ def test_rejects_bad_input(drill, device, what):
                     "(content/l2.md §6)")
     with expect_value_error(what, "content/l2.md §6"):
         drill.paged_decode_attention(*args)
+
+
+@pytest.mark.parametrize("what", ["shape", "dtype"])
+def test_rejects_an_out_that_does_not_fit(drill, device, what):
+    case = _case(device, [5, 20])
+    shape, dtype = case.query.shape, case.query.dtype
+    out = torch.empty((shape[0], shape[1] - 1, shape[2]) if what == "shape" else shape,
+                      dtype=torch.float32 if what == "dtype" else dtype, device=device)
+    with expect_value_error(f"an out of another {what} than the query", "content/l2.md §6"):
+        drill.paged_decode_attention(*case.args(), out=out)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a second device type")

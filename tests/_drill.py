@@ -1,0 +1,70 @@
+"""What a drill is, as the shared machinery sees it. Names no drill.
+
+Each drill's own module (tests/drills/<id>.py) builds one `Drill` at its bottom;
+tests/_manifest.py lists them in order. Everything that knows a drill hangs off
+its entry here, so the grader, the bench, the pictures and the planted-bug
+fixtures reach it through the entry, never by a name spelled in a string.
+"""
+from dataclasses import dataclass, field
+from typing import Callable
+
+ELEMENT_SIZE = {"float16": 2, "bfloat16": 2, "float32": 4}
+
+
+@dataclass(frozen=True)
+class BenchCase:
+    name: str
+    params: dict
+    bytes: int           # fewest bytes through device memory
+    flops: int = 0
+    graph: bool = False  # short op: time CUDA-graph replays, not single launches
+
+
+@dataclass(frozen=True)
+class Pitfall:
+    """A mistake the drill's page names (tagged `pitfall:<name>` there).
+
+    `edits` are (exact text, replacement) pairs that plant it in the reference;
+    each text must occur exactly once. Tests marked `@pytest.mark.pitfall(name)`
+    exist to catch it, and the diagnosis names it only on evidence. `crashes`: the
+    mistake's known symptom is a crash (an offset far outside every tensor), so a
+    crash in a test marked with it is evidence; for any other pitfall it is not.
+    """
+    says: str
+    edits: tuple
+    crashes: bool = False
+
+
+@dataclass(frozen=True)
+class Mistake:
+    """A wrong kernel that is not one of the page's pitfalls (a learner wrote it, or it
+    breaks the output contract). The grade must fail it and name NO pitfall; `shows`
+    is a phrase its first failure must contain (the structural description)."""
+    edits: tuple
+    shows: str
+
+
+@dataclass(frozen=True)
+class Drill:
+    id: str
+    stem: str
+    title: str
+    mirrors: str                 # what it is in vLLM / FlashInfer
+    api: tuple                   # public names of the module, in the order the page teaches them
+    section: str                 # where the page explains the pitfalls, e.g. "content/l1.md §8"
+    test_shapes: dict = field(default_factory=dict)
+    pitfalls: dict = field(default_factory=dict)    # {name: Pitfall}
+    mistakes: dict = field(default_factory=dict)    # {name: Mistake}
+    bench: tuple = ()            # BenchCase, ...
+    bench_work: Callable = None  # (module, params, device, n_sets) -> (ours, {name: (baseline, graph_safe)})
+    picture: Callable = None     # (module, console) -> None: run the learner's code on a small case and draw it
+    draw_case: Callable = None   # (saved case, console) -> None: draw a failing case the tests saved
+    page_checks: tuple = ()      # functions(page text) that recompute every number the page works out
+
+    @property
+    def page(self):
+        return f"content/{self.id}.md"
+
+    @property
+    def files(self):
+        return (self.page, f"mine/{self.stem}.py", f"solutions/{self.stem}.py", f"tests/test_{self.stem}.py")

@@ -1,0 +1,240 @@
+"""The grading run: one drill's tests against one tree, in a test process of its
+own, summarised as a grade. Names no drill. grader.py shows what this returns;
+tests/test_wrong.py grades the planted bugs through it.
+
+- The learner's code runs in a worker process behind the tests (tests/_worker.py),
+  with a time limit per test; a crash or hang there fails that test only.
+- If the test process itself dies, the run goes on in a fresh one with the tests
+  not yet run; the test it died in is reported as crashed.
+- The report is signed with a key handed over through a pipe; lines that do not
+  check are counted as forged, and the grade says so.
+- A pitfall is named only on evidence (tests/_diagnose.py): the simplest failing
+  case is explained first (the page's worked example, then fixed cases, then
+  hypothesis's), and a crash names the pitfall of the test it happened in only
+  when every crash of the run happened in a test marked with that pitfall.
+"""
+import os
+import secrets
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from _report import read_signed
+from _tree import ROOT
+
+_CHILDREN = set()  # live process groups, killed on Ctrl-C or SIGTERM
+RESTARTS = 3       # fresh test processes after the test process itself dies
+
+
+def run_process(cmd, timeout, env=None, pass_fds=()):
+    """(returncode or None if killed at the time limit, stdout, stderr). The child runs in
+    a process group of its own, killed whole on timeout and on the grader's Ctrl-C."""
+    # One thread per child: the tensors are tiny, and two graders side by side on a
+    # 2-core machine would otherwise oversubscribe it several times over.
+    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, stdin=subprocess.DEVNULL,
+                            text=True, start_new_session=True, pass_fds=pass_fds,
+                            env={"OMP_NUM_THREADS": "1", **os.environ, **(env or {})})
+    _CHILDREN.add(proc.pid)
+    try:
+        out, err = proc.communicate(timeout=timeout)
+        return proc.returncode, out, err
+    except subprocess.TimeoutExpired:
+        _kill(proc.pid)
+        out, err = proc.communicate()
+        return None, out, err
+    finally:
+        _CHILDREN.discard(proc.pid)
+
+
+def _kill(pgid):
+    try:
+        os.killpg(pgid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+
+
+def stop_children_on_signals(say):
+    """On Ctrl-C or SIGTERM: kill every test process group (and so their workers), say so, exit."""
+    def handler(signum, frame):
+        for pgid in list(_CHILDREN):
+            _kill(pgid)
+        say(f"stopped by {signal.Signals(signum).name}: killed {len(_CHILDREN)} test process group(s)")
+        sys.exit(128 + signum)
+    signal.signal(signal.SIGINT, handler)
+    signal.signal(signal.SIGTERM, handler)
+
+
+def _pytest(drill, tree, report, timeout, env, deselect, variants=None, keep=None):
+    """One test process; returns its exit code (None: killed at the time limit)."""
+    key_read, key_write = os.pipe()
+    key = secrets.token_bytes(32)
+    os.write(key_write, key)
+    os.close(key_write)
+    cmd = [sys.executable, "-m", "pytest", f"tests/test_{drill.stem}.py", "--tree", str(tree), "-q", "-p",
+           "no:randomly", "--drills-report", str(report), "--drills-key-fd", str(key_read)]
+    if variants:
+        cmd += ["--drills-variants", str(variants)]
+    for nodeid in deselect:
+        cmd += ["--deselect", nodeid]
+    try:
+        code, out, err = run_process(cmd, timeout, env, pass_fds=(key_read,))
+    finally:
+        os.close(key_read)
+    return code, out, err, key
+
+
+def run_tests(drill, tree, timeout, env=None, variants=None):
+    """Run a drill's tests, resuming in a fresh process after the test process dies.
+    Returns (records, problems): the report's records and what went wrong around them."""
+    env = {**(env or {}), "PYTHONUNBUFFERED": "1"}
+    records, problems, done = [], [], []
+    started = time.monotonic()
+    with tempfile.TemporaryDirectory(prefix="drills-grade-") as tmp:
+        for attempt in range(RESTARTS + 1):
+            report = Path(tmp) / f"report-{attempt}.jsonl"
+            left = timeout - (time.monotonic() - started)
+            code, out, err, key = _pytest(drill, tree, report, max(left, 1), env, done, variants)
+            lines, forged = read_signed(report, key)
+            if forged:
+                problems.append(f"the report holds {forged} line(s) the test process did not write: something "
+                                f"else wrote to it, so this grade cannot be trusted")
+            records += lines
+            finished = {r["test"] for r in lines if "outcome" in r}
+            unfinished = [r for r in lines if "start" in r and r["start"] not in finished]
+            if code is None:
+                where = unfinished[-1]["start"] if unfinished else "collecting the tests"
+                problems.append(f"timed out after {timeout:.0f} s in {where.split('::')[-1]}")
+                break
+            if not any("collected" in r for r in lines):
+                tail = "\n".join((err or out).strip().splitlines()[-12:])
+                problems.append(f"the tests could not start (pytest exit {code}):\n{tail}")
+                break
+            if code in (0, 1, 5) and not unfinished:
+                break
+            # The test process itself died: report the test it died in, go on without it.
+            dead = unfinished[-1] if unfinished else None
+            how = _exit_name(code)
+            if dead is None:
+                problems.append(f"the test process ended ({how}) with no test running")
+                break
+            records.append(dict(test=dead["start"], name=dead["start"].split("::")[-1], outcome="failed",
+                                kind="crash", variant=dead.get("variant"), pitfall_test=dead["pitfalls"],
+                                message=f"the test process died in this test ({how})", pitfalls=[]))
+            done += sorted(finished | {dead["start"]})
+        else:
+            problems.append(f"the test process died {RESTARTS + 1} times; the rest of the tests were not run")
+    return records, problems
+
+
+def _exit_name(code):
+    try:
+        return f"killed by {signal.Signals(-code).name}" if code < 0 else f"exit code {code}"
+    except ValueError:
+        return f"signal {-code}"
+
+
+def summarize(drill, records, problems=()):
+    """The grade of one drill from its test records."""
+    collected = next((r["collected"] for r in reversed(records) if "collected" in r), [])
+    results = {}
+    for r in records:
+        if "outcome" in r:
+            results[r["test"]] = r
+    ran = list(results.values())
+    passed = sum(r["outcome"] == "passed" for r in ran)
+    skipped = sum(r["outcome"] == "skipped" for r in ran)
+    failures = [r for r in ran if r["outcome"] == "failed"]
+    total = max(len(set(collected) | set(results)) - skipped, len(failures) + passed)
+    summary = dict(id=drill.id, stem=drill.stem, title=drill.title, page=drill.page, passed=passed,
+                   failed=total - passed, skipped=skipped, total=total, problem="\n".join(problems) or None,
+                   first_failure=None, diagnosis=[])
+
+    real = [r for r in failures if r.get("kind") != "not_implemented"]
+    ordered = sorted(real, key=_simplest_first)
+    first = (ordered or failures or [None])[0]
+    if first:
+        summary["first_failure"] = {k: first.get(k) for k in ("name", "kind", "message", "where", "example", "stdout",
+                                                            "stderr")}
+        if first.get("kind") in ("crash", "timeout") and first.get("pitfall_test"):
+            marks = ", ".join(f"pitfall:{p}" for p in first["pitfall_test"])
+            summary["first_failure"]["message"] += f"\n  this test exists to catch {marks} ({drill.section})"
+    summary["diagnosis"] = [dict(pitfall=p, says=drill.pitfalls[p].says, section=drill.section)
+                            for p in _evidence(drill, ordered) if p in drill.pitfalls]
+    if summary["failed"] == 0 and not problems:
+        summary["status"] = "passed"
+    elif passed == 0 and failures and not real and not problems:
+        summary["status"] = "not started"
+    else:
+        summary["status"] = "failing"
+    return summary
+
+
+def _simplest_first(record):
+    """The page's worked example first, then fixed cases, then hypothesis's random ones."""
+    return ("worked_example" not in record["name"], bool(record.get("example")))
+
+
+def _evidence(drill, ordered):
+    """The pitfalls the failures single out (see the module's docstring)."""
+    if not ordered:
+        return []
+    # The first failure's own evidence; else that of a fixed test that exists to catch the
+    # pitfall it names (its marker), never a random case's.
+    named = ordered[0].get("pitfalls") or next(
+        ([p for p in r["pitfalls"] if p in (r.get("pitfall_test") or ())] for r in ordered
+         if set(r.get("pitfalls") or ()) & set(r.get("pitfall_test") or ()) and not r.get("example")), [])
+    # A name is withdrawn when a fixed test that exists to catch that pitfall failed
+    # without naming it: the evidence contradicts itself, so it is no evidence.
+    named = [p for p in named if all(p in (r.get("pitfalls") or ()) for r in ordered
+                                     if p in (r.get("pitfall_test") or ()) and not r.get("example"))]
+    crashes = [r for r in ordered if r.get("kind") in ("crash", "timeout")]
+    if crashes and not named:
+        common = set.intersection(*(set(r.get("pitfall_test") or ()) for r in crashes))
+        named = sorted(p for p in common if drill.pitfalls.get(p) and drill.pitfalls[p].crashes)
+    return named
+
+
+def grade_drill(drill, tree, timeout, workdir=None, test_timeout=None, env=None):
+    """Grade one drill of one tree. The first small failing case is saved to
+    <workdir>/<id>-case.pt for the picture."""
+    env = dict(env or {})
+    if workdir:
+        env["DRILLS_CASE_DUMP"] = str(Path(workdir) / f"{drill.id}-case.pt")
+    if test_timeout:
+        env["DRILLS_TIMEOUT"] = str(test_timeout)
+    started = time.monotonic()
+    records, problems = run_tests(drill, tree, timeout, env)
+    summary = summarize(drill, records, problems)
+    summary["seconds"] = round(time.monotonic() - started, 1)
+    return summary
+
+
+def grade_variants(drill, folder, timeout):
+    """Grade every planted bug in `folder` (<name>/<stem>.py each) in one test process:
+    a pitfall against the tests marked with it and the worked example, any other
+    mistake against the whole drill. Returns {name: summary}."""
+    records, problems = run_tests(drill, ROOT / "solutions", timeout,
+                                  {"DRILLS_HYPOTHESIS_PROFILE": "quick"}, variants=folder)
+    names = sorted(p.name for p in Path(folder).iterdir() if p.is_dir())
+    grades = {}
+    for name in names:
+        mine = [r for r in records if "outcome" in r and r.get("variant") == name]
+        collected = [t for r in records if "collected" in r for t, v in zip(r["collected"], r["variants"]) if v == name]
+        grades[name] = summarize(drill, [dict(collected=collected)] + mine, problems)
+    return grades
+
+
+def integrity():
+    """Whether the test machinery is what the repository committed: (ok, sentence)."""
+    check = subprocess.run(["git", "status", "--porcelain", "--untracked-files=all", "--", "tests", "grader.py",
+                            "pyproject.toml", "Makefile"], cwd=ROOT, capture_output=True, text=True)
+    if check.returncode != 0:
+        return None, "cannot check that tests/ is the committed one (no git history here)"
+    changed = [line[3:] for line in check.stdout.splitlines() if "__pycache__" not in line]
+    if changed:
+        shown = ", ".join(changed[:5]) + (", ..." if len(changed) > 5 else "")
+        return False, f"the grading machinery differs from the committed tree: {shown}"
+    return True, "tests/ and grader.py are the committed ones"

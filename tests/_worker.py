@@ -1,0 +1,310 @@
+"""The learner's code runs in a process of its own. Names no drill.
+
+The tests, the checks and the report stay in the test process; a tree's module is
+imported only in a worker process, and the tests call it through `TreeModule`, a
+proxy whose attribute calls are sent to the worker. So the learner's file cannot
+reach what grades it (rebind the checks, hook pytest, write the report), and a
+learner's crash, abort or endless loop costs one test, not the drill: the worker
+is killed or dies, the test fails saying so, and the next call starts a new one.
+
+Tensors travel as shared memory (torch.multiprocessing: a CPU storage moves into
+shared memory in place, a CUDA one goes by IPC handle), with each view's offset
+and strides, so the learner's writes land in the test's own buffers, guard regions
+included. A returned tensor that is one of the arguments (an `out=`) comes back as
+that very argument.
+
+DRILLS_ISOLATE=0 runs the module in the test process instead (handy with a
+debugger); the grade always isolates.
+"""
+import ctypes
+import io
+import os
+import signal
+import sys
+import tempfile
+import time
+import traceback
+
+import torch
+import torch.multiprocessing as mp
+
+ISOLATE = os.environ.get("DRILLS_ISOLATE", "1") != "0"
+# Seconds of the learner's code one test may use (DRILLS_TIMEOUT; make grade TIMEOUT=...).
+TIMEOUT = float(os.environ.get("DRILLS_TIMEOUT", "60"))
+
+# Exceptions whose type means something to the tests come back as that type;
+# anything else comes back as LearnerError (so an AssertionError raised by the
+# learner's own code cannot pass for a check's verdict).
+_KEEP_TYPES = {t.__name__: t for t in (ValueError, TypeError, IndexError, NotImplementedError, RuntimeError,
+                                       FileNotFoundError, AttributeError)}
+
+
+class LearnerError(Exception):
+    """An exception of another type raised by the learner's code: `TypeName: message`."""
+
+
+class LearnerCrash(Exception):
+    """The process running the learner's code died, or hit an error it cannot survive
+    (a CUDA error: the context is dead after an illegal address)."""
+
+
+class LearnerTimeout(Exception):
+    """The learner's code ran past the time one test may use."""
+
+
+# ---------------------------------------------------------------------------
+# The test-process side
+
+
+class Worker:
+    """One worker process, started on first use and again after it dies."""
+
+    def __init__(self):
+        self.proc = None
+        self.conn = None
+        self.budget = TIMEOUT  # seconds left to the current test (reset per test by the plugin)
+
+    def start(self):
+        ctx = mp.get_context("spawn")
+        self.conn, child = ctx.Pipe()
+        self.proc = ctx.Process(target=_serve, args=(child, sys.path), daemon=True, name="drills-worker")
+        self.proc.start()
+        child.close()
+
+    def stop(self):
+        if self.proc is not None:
+            if self.proc.is_alive():
+                self.proc.kill()
+            self.proc.join(5)
+            self.conn.close()
+        self.proc = self.conn = None
+
+    def call(self, tree, stem, name, args, kwargs):
+        if self.proc is None or not self.proc.is_alive():
+            self.stop()
+            self.start()
+        flat = _tensors((args, kwargs))
+        started = time.monotonic()
+        try:
+            self.conn.send(("call", str(tree), stem, name, args, kwargs))
+        except (BrokenPipeError, ConnectionResetError, EOFError):
+            self.stop()
+            raise LearnerCrash(f"the process running your code died before {name}() was called")
+        phase = "starting"
+        while True:
+            left = self.budget - (time.monotonic() - started)
+            if left <= 0 or not self.conn.poll(left):
+                self.stop()
+                self.budget = 0
+                raise LearnerTimeout(f"your code ran past the {TIMEOUT:.0f} s this test allows it, in {phase} "
+                                     f"(an endless loop? a huge grid?); the process was stopped "
+                                     f"(DRILLS_TIMEOUT / make grade TIMEOUT=... sets the limit)")
+            try:
+                message = self.conn.recv()
+            except (EOFError, ConnectionResetError, OSError):
+                code = self._exit_code()
+                self.stop()
+                where = ("at import of your module" if phase == "importing your module"
+                         else f"in {phase}")
+                raise LearnerCrash(f"the process running your code ended {where} ({code}): usually a read or "
+                                   f"write far outside a tensor, or os._exit / a fatal error in your file")
+            if message[0] == "phase":
+                phase = message[1]
+                continue
+            break
+        self.budget -= time.monotonic() - started
+        kind, payload, out, err = message
+        if out:
+            sys.stdout.write(out)
+        if err:
+            sys.stderr.write(err)
+        if kind == "ok":
+            return _by_value(payload, flat)
+        type_name, text, where, fatal = payload
+        if fatal:
+            self.stop()
+            error = LearnerCrash(f"{type_name}: {text}")
+        elif type_name in _KEEP_TYPES:
+            error = _KEEP_TYPES[type_name](text)
+        else:
+            error = LearnerError(f"{type_name}: {text}")
+        error.where = where
+        raise error
+
+    def _exit_code(self):
+        self.proc.join(2)
+        code = self.proc.exitcode
+        if code is None:
+            return "still running"
+        if code < 0:
+            try:
+                return f"killed by {signal.Signals(-code).name}"
+            except ValueError:
+                return f"killed by signal {-code}"
+        return f"exit code {code}"
+
+
+WORKER = Worker()
+
+
+class TreeModule:
+    """What the `drill` fixture hands a test: the drill module of one tree, every
+    attribute a function that runs in the worker."""
+
+    def __init__(self, tree, stem):
+        self._tree, self._stem = str(tree), stem
+
+    def __getattr__(self, name):
+        if name.startswith("__"):
+            raise AttributeError(name)
+
+        def call(*args, **kwargs):
+            return WORKER.call(self._tree, self._stem, name, args, kwargs)
+        call.__name__ = name
+        return call
+
+    def __repr__(self):
+        return f"<{self._stem} of {self._tree}, run in a worker process>"
+
+
+def tree_module(tree, stem):
+    """The drill module of `tree`: in a worker (the default), or imported here."""
+    if ISOLATE:
+        return TreeModule(tree, stem)
+    from _tree import load_drill
+    return load_drill(str(tree), stem)
+
+
+def _tensors(obj):
+    """Every tensor in a nest of tuples, lists and dicts, in order."""
+    if isinstance(obj, torch.Tensor):
+        return [obj]
+    if isinstance(obj, (tuple, list)):
+        return [t for x in obj for t in _tensors(x)]
+    if isinstance(obj, dict):
+        return [t for x in obj.values() for t in _tensors(x)]
+    return []
+
+
+class _Arg:
+    """Stands, in a reply, for the i-th tensor argument (a returned `out`)."""
+
+    def __init__(self, index):
+        self.index = index
+
+
+def _by_value(obj, flat):
+    if isinstance(obj, _Arg):
+        return flat[obj.index]
+    if isinstance(obj, tuple):
+        return tuple(_by_value(x, flat) for x in obj)
+    if isinstance(obj, list):
+        return [_by_value(x, flat) for x in obj]
+    return obj
+
+
+def _by_reference(obj, flat):
+    if isinstance(obj, torch.Tensor):
+        for i, t in enumerate(flat):
+            if (t.data_ptr() == obj.data_ptr() and t.shape == obj.shape and t.stride() == obj.stride()
+                    and t.dtype == obj.dtype and t.device == obj.device):
+                return _Arg(i)
+        return obj
+    if isinstance(obj, tuple):
+        return tuple(_by_reference(x, flat) for x in obj)
+    if isinstance(obj, list):
+        return [_by_reference(x, flat) for x in obj]
+    return obj
+
+
+# ---------------------------------------------------------------------------
+# The worker side
+
+
+def _serve(conn, path):
+    _die_with_parent()
+    sys.path[:] = path
+    import _env  # noqa: F401  -- the same CPU-interpreter-or-GPU decision as the test process
+    from _tree import load_drill
+
+    while True:
+        try:
+            request = conn.recv()
+        except (EOFError, OSError):
+            return
+        _, tree, stem, name, args, kwargs = request
+        fatal = False
+        with _Captured() as captured:
+            try:
+                conn.send(("phase", "importing your module"))
+                module = load_drill(tree, stem)
+                if not hasattr(module, name):
+                    raise AttributeError(f"{tree}/{stem}.py defines no {name}(): was it renamed or deleted? "
+                                         f"(make reset DRILL=... restores the stub; your file is backed up first)")
+                conn.send(("phase", f"{name}()"))
+                result = getattr(module, name)(*args, **kwargs)
+                if torch.cuda.is_available() and torch.cuda.is_initialized():
+                    torch.cuda.synchronize()
+                reply = ("ok", _by_reference(result, _tensors((args, kwargs))))
+            except BaseException as error:  # the learner's code may raise anything, SystemExit included
+                text = str(error)
+                fatal = _is_cuda_fatal(text)
+                if isinstance(error, FileNotFoundError):
+                    text += " (make reset DRILL=... restores the stub)"
+                reply = ("error", (type(error).__name__, text, _where(error, tree), fatal))
+        try:
+            conn.send((*reply, captured.out, captured.err))
+        except Exception as error:  # e.g. a result that cannot be pickled
+            conn.send(("error", (type(error).__name__, f"the result of {name}() could not be sent back: {error}",
+                                 None, False), captured.out, captured.err))
+        del request, args, kwargs, reply
+        if fatal:
+            os._exit(3)  # a CUDA error leaves the context unusable: let the next call start afresh
+
+
+def _is_cuda_fatal(text):
+    return "CUDA error" in text or "illegal memory access" in text or "device-side assert" in text
+
+
+def _where(error, tree):
+    """The last line of the tree's own code the exception passed through."""
+    frames = [f for f in traceback.extract_tb(error.__traceback__) if f.filename.startswith(tree)]
+    return f"{frames[-1].filename}:{frames[-1].lineno}: {frames[-1].line}" if frames else None
+
+
+def _die_with_parent():
+    """Ask Linux to kill this process when the test process dies (Ctrl-C, a grader's kill)."""
+    try:
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        pass
+
+
+class _Captured:
+    """What the learner's code prints during one call, at the file-descriptor level
+    (the interpreter's and the GPU's prints too), handed back with the reply."""
+
+    def __enter__(self):
+        sys.stdout.flush(), sys.stderr.flush()
+        self.files = [tempfile.TemporaryFile(), tempfile.TemporaryFile()]
+        self.saved = [os.dup(1), os.dup(2)]
+        for fd, f in zip((1, 2), self.files):
+            os.dup2(f.fileno(), fd)
+        self.py = sys.stdout, sys.stderr
+        sys.stdout = io.TextIOWrapper(os.fdopen(os.dup(1), "wb"), write_through=True)
+        sys.stderr = io.TextIOWrapper(os.fdopen(os.dup(2), "wb"), write_through=True)
+        return self
+
+    def __exit__(self, *exc):
+        sys.stdout.close(), sys.stderr.close()
+        sys.stdout, sys.stderr = self.py
+        for fd, saved in zip((1, 2), self.saved):
+            os.dup2(saved, fd)
+            os.close(saved)
+        texts = []
+        for f in self.files:
+            f.seek(0)
+            texts.append(f.read().decode(errors="replace")[-4000:])
+            f.close()
+        self.out, self.err = texts
+        return False
