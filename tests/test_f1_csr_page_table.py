@@ -12,7 +12,7 @@ from hypothesis import given
 
 from _diagnose import Mismatch, expect_value_error
 from _paged import DTYPES, allocate_blocks, caches_past_int32
-from drills.f1 import (DRILL, WORKED_EXAMPLE, append_case, append_params, check_append,
+from drills.f1 import (WORKED_EXAMPLE, append_case, append_params, check_append,
                        check_batch_indices_positions, check_csr, name_pitfalls, worked_example_case)
 
 ALL_DTYPES = list(DTYPES.values())
@@ -303,16 +303,6 @@ def test_rejects_tensors_on_two_devices(drill):
     key, value, bi, pos, cache, indices, indptr, last, layout = _small("cuda").args()
     with expect_value_error("kv_indices on the CPU with the rest on the GPU", "content/f1.md §7"):
         drill.append_paged_kv_cache(key, value, bi, pos, cache, indices.cpu(), indptr, last, layout)
-
-
-# --- STAND-IN until [shape]: the shared content tests run DRILL.page_checks -----
-
-
-@pytest.mark.parametrize("check", DRILL.page_checks, ids=lambda c: c.__name__)
-def test_page_numbers(check):
-    from _tree import ROOT
-
-    check((ROOT / "content" / "f1.md").read_text())
 
 
 # Last: a kernel that overflows int32 may corrupt memory or crash the process.

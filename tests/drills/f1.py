@@ -9,123 +9,26 @@ the block table is then turned into CSR by the reference. Every cache sits in a
 guarded allocation of noise and is compared bit for bit, guards included.
 """
 import re
-import tempfile
-from dataclasses import dataclass, field
-from pathlib import Path
+from dataclasses import dataclass
 
 import torch
 from hypothesis import strategies as st
 
-from _diagnose import Mismatch
-from _paged import DTYPES, allocate_blocks, bits, guarded, noise
-from _tree import ROOT, load_drill
+from _diagnose import Mismatch, describe_mistakes, known_mistakes
+from _drill import ELEMENT_SIZE, BenchCase, Drill, Mistake, Pitfall
+from _paged import DTYPES, allocate_blocks, bits, followed_by, guarded, noise
+from _tree import ROOT
 
 STEM = "f1_csr_page_table"
 SECTION = "content/f1.md §8"
 
 
 # ---------------------------------------------------------------------------
-# STAND-IN until [shape]: local copies of the shared pieces shape.md names
-# (_drill.Drill/BenchCase/Pitfall, _paged.followed_by, _wrong.variant,
-# _diagnose.known_mistakes/describe_mistakes), with the same signatures.
-# Delete this block and import them when the lead's [shape] commit is merged.
-
-
-@dataclass(frozen=True)
-class BenchCase:
-    name: str
-    params: dict
-    bytes: int
-    flops: int = 0
-    graph: bool = False
-
-
-@dataclass(frozen=True)
-class Pitfall:
-    says: str
-    edits: tuple
-
-
-@dataclass(frozen=True)
-class Mistake:
-    edits: tuple
-    shows: str
-
-
-@dataclass(frozen=True)
-class Drill:
-    id: str
-    stem: str
-    title: str
-    mirrors: str
-    api: tuple
-    section: str
-    test_shapes: dict = field(default_factory=dict)
-    pitfalls: dict = field(default_factory=dict)
-    mistakes: dict = field(default_factory=dict)
-    bench: tuple = ()
-    bench_work: object = None
-    picture: object = None
-    draw_case: object = None
-    page_checks: tuple = ()
-
-
-def followed_by(t, guard, device):
-    """t on `device` as the front of a longer buffer that continues with `guard`."""
-    return torch.cat([t.flatten().cpu(), guard.to(t.dtype)]).to(device)[:t.numel()].view(t.shape)
-
-
-def plant(drill, name, folder):
-    """The reference with one pitfall's edits applied, written to folder/<stem>.py."""
-    source = (ROOT / "solutions" / f"{drill.stem}.py").read_text()
-    for old, new in (drill.pitfalls.get(name) or drill.mistakes[name]).edits:
-        if source.count(old) != 1:
-            raise ValueError(f"{drill.stem}/{name}: {old!r} appears {source.count(old)} times, not once")
-        source = source.replace(old, new)
-    Path(folder).mkdir(parents=True, exist_ok=True)
-    (Path(folder) / f"{drill.stem}.py").write_text(source)
-    return Path(folder)
-
-
-_VARIANTS = {}
-
-
-def variant(drill, name):
-    if name not in _VARIANTS:
-        _VARIANTS[name] = load_drill(str(plant(drill, name, tempfile.mkdtemp(prefix=f"f1-{name}-"))), drill.stem)
-    return _VARIANTS[name]
-
-
-def same_bits(a, b):
-    return a.shape == b.shape and a.dtype == b.dtype and bool((bits(a) == bits(b)).all())
-
-
-def known_mistakes(drill, outcome, got):
-    """Pitfalls whose planted variant, run on the same input, gives exactly `got` (a tuple of tensors)."""
-    found = []
-    for name in drill.pitfalls:
-        try:
-            theirs = outcome(variant(drill, name))
-        except Exception:  # a variant that cannot run on this input is no evidence either way
-            continue
-        if len(theirs) == len(got) and all(same_bits(a.cpu(), b.cpu()) for a, b in zip(theirs, got)):
-            found.append(name)
-    return found
-
-
-def describe_mistakes(drill, names):
-    return "".join(f"\n  looks like: {drill.pitfalls[n].says} (pitfall:{n}, {drill.section})" for n in names)
-
-
-# END STAND-IN
-# ---------------------------------------------------------------------------
 
 
 def name_pitfalls(error, names):
     """The Mismatch with 'looks like' lines for the matched pitfalls, and naming them."""
-    mismatch = Mismatch(str(error) + describe_mistakes(DRILL, names))
-    mismatch.pitfalls = list(names)
-    return mismatch
+    return Mismatch(str(error) + describe_mistakes(DRILL, names), names)
 
 
 # ---------------------------------------------------------------------------
@@ -597,7 +500,8 @@ PITFALLS = {
         says="page * stride_page is computed in int32 and wraps around once the cache passes 2**31 elements", edits=(
             ("token = tl.program_id(axis=0).to(tl.int64)", "token = tl.program_id(axis=0)"),
             ("page = tl.load(kv_indices_ptr + page_iter).to(tl.int64)",
-             "page = tl.load(kv_indices_ptr + page_iter)"),)),
+             "page = tl.load(kv_indices_ptr + page_iter)"),),
+        crashes=True),  # the wrapped offset lands far before the cache: usually a crash
     "last_page_len_as_position": Pitfall(
         says="every token is written at the end of the last page (kv_last_page_len - 1), where a decode step's "
              "single token goes, instead of at its own position", edits=(
@@ -643,8 +547,8 @@ def append_bytes(num_requests, new_tokens, num_heads, head_size, page_size, dtyp
     context, _pages = bench_layout(num_requests, new_tokens, page_size)
     touched = int(((context + new_tokens - 1) // page_size - context // page_size + 1).sum())
     tokens = num_requests * new_tokens
-    return 4 * tokens * num_heads * head_size * {"float16": 2, "bfloat16": 2, "float32": 4}[dtype] \
-        + 8 * tokens + 4 * (num_requests + 1) + 4 * touched
+    kv = 4 * tokens * num_heads * head_size * ELEMENT_SIZE[dtype]
+    return kv + 8 * tokens + 4 * (num_requests + 1) + 4 * touched
 
 
 def _bench_case(kv_layout):
