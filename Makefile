@@ -1,5 +1,6 @@
 # The front door. Every target sets up .venv on first use.
-#   make grade                 grade mine/ (TREE=solutions or TREE=path to grade another tree; DRILL=l1 for one)
+#   make grade                 grade mine/ (TREE=solutions or TREE=path to grade another tree; DRILL=l1 for one;
+#                              TIMEOUT=120: seconds your code may run in one test, default 60)
 #   make test                  the whole test suite against solutions/
 #   make bench                 the bandwidth report of solutions/ (needs a GPU)
 #   make diff DRILL=l1         your file next to the reference, side by side (TREE=path for a learner's copy)
@@ -15,6 +16,7 @@ VENV   ?= .venv
 PY     := $(VENV)/bin/python
 TREE   ?= mine
 DRILL  ?=
+TIMEOUT ?=
 
 # Without an NVIDIA GPU a plain `pip install torch` can pull a multi-GB CUDA
 # build: pin a CPU one there. With a GPU, reuse the system's torch if it has one.
@@ -37,7 +39,7 @@ $(VENV)/.ready: pyproject.toml
 # grader.py exits 1 unless every drill passes (for scripts); for a learner that
 # is the normal state of things, not an error of make's.
 grade: setup
-	@$(PY) grader.py --tree $(TREE) $(DRILL) || true
+	@$(PY) grader.py --tree $(TREE) $(if $(TIMEOUT),--test-timeout $(TIMEOUT)) $(DRILL) || true
 
 test: setup
 	$(PY) -m pytest --tree solutions -q

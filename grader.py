@@ -150,8 +150,10 @@ def command(argv):
         return _commands.doctor(console)
     try:
         drill = find_drill(args.drill)
-    except KeyError as error:
-        console.print(f"[red]{error.args[0]}[/]")
+        if argv[0] in ("show", "diff", "watch"):
+            tree_path(args.tree)
+    except (KeyError, FileNotFoundError) as error:
+        console.print(f"[red]{error.args[0] if isinstance(error, KeyError) else error}[/]")
         return 2
     if argv[0] == "show":
         return _picture.show(drill, tree_path(args.tree), console, args.case)

@@ -67,16 +67,18 @@ def stop_children_on_signals(say):
     signal.signal(signal.SIGTERM, handler)
 
 
-def _pytest(drill, tree, report, timeout, env, deselect, variants=None, keep=None):
+def _pytest(drill, tree, report, timeout, env, deselect, variants=None, select=None):
     """One test process; returns its exit code (None: killed at the time limit)."""
     key_read, key_write = os.pipe()
     key = secrets.token_bytes(32)
     os.write(key_write, key)
     os.close(key_write)
-    cmd = [sys.executable, "-m", "pytest", f"tests/test_{drill.stem}.py", "--tree", str(tree), "-q", "-p",
+    cmd = [sys.executable, "-m", "pytest", f"tests/test_{drill.stem}.py", f"--tree={tree}", "-q", "-p",
            "no:randomly", "--drills-report", str(report), "--drills-key-fd", str(key_read)]
     if variants:
         cmd += ["--drills-variants", str(variants)]
+    if select:
+        cmd += ["-k", select]
     for nodeid in deselect:
         cmd += ["--deselect", nodeid]
     try:
@@ -86,7 +88,7 @@ def _pytest(drill, tree, report, timeout, env, deselect, variants=None, keep=Non
     return code, out, err, key
 
 
-def run_tests(drill, tree, timeout, env=None, variants=None):
+def run_tests(drill, tree, timeout, env=None, variants=None, select=None):
     """Run a drill's tests, resuming in a fresh process after the test process dies.
     Returns (records, problems): the report's records and what went wrong around them."""
     env = {**(env or {}), "PYTHONUNBUFFERED": "1"}
@@ -96,7 +98,7 @@ def run_tests(drill, tree, timeout, env=None, variants=None):
         for attempt in range(RESTARTS + 1):
             report = Path(tmp) / f"report-{attempt}.jsonl"
             left = timeout - (time.monotonic() - started)
-            code, out, err, key = _pytest(drill, tree, report, max(left, 1), env, done, variants)
+            code, out, err, key = _pytest(drill, tree, report, max(left, 1), env, done, variants, select)
             lines, forged = read_signed(report, key)
             if forged:
                 problems.append(f"the report holds {forged} line(s) the test process did not write: something "
@@ -197,16 +199,16 @@ def _evidence(drill, ordered):
     return named
 
 
-def grade_drill(drill, tree, timeout, workdir=None, test_timeout=None, env=None):
-    """Grade one drill of one tree. The first small failing case is saved to
-    <workdir>/<id>-case.pt for the picture."""
+def grade_drill(drill, tree, timeout, workdir=None, test_timeout=None, env=None, select=None):
+    """Grade one drill of one tree (`select`: a pytest -k expression, for the grader's
+    own tests). The first small failing case is saved to <workdir>/<id>-case.pt."""
     env = dict(env or {})
     if workdir:
         env["DRILLS_CASE_DUMP"] = str(Path(workdir) / f"{drill.id}-case.pt")
     if test_timeout:
         env["DRILLS_TIMEOUT"] = str(test_timeout)
     started = time.monotonic()
-    records, problems = run_tests(drill, tree, timeout, env)
+    records, problems = run_tests(drill, tree, timeout, env, select=select)
     summary = summarize(drill, records, problems)
     summary["seconds"] = round(time.monotonic() - started, 1)
     return summary

@@ -1,20 +1,25 @@
 """The content pages cannot rot: every number the code can check is checked here.
 
-Conventions every page follows (content/README in words, here in code):
+Conventions every page follows (content/README.md in words, here in code):
 - numbered sections are `## N. title`; "content/<id>.md §N" anywhere in the code
   must name one of them;
 - a citation of the reference is a link `[solutions/<stem>.py:A-B](../solutions/<stem>.py#LA-LB)`
   followed by a ```python block that reproduces exactly lines A..B;
+- the reference is quoted only inside `<details>` blocks whose summary says 先做题 (do the
+  drill first): a learner reads the problem, the concepts and the hints before any answer;
 - each pitfall is tagged `pitfall:<name>`;
 - a number quoted from BENCHMARKS.md stands on a line that says so, and is in BENCHMARKS.md.
-Then, per page, the worked examples and self-test answers against the references.
+Then each drill's own page checks (tests/drills/<id>.py) recompute its worked examples
+and self-test answers against the references.
 """
+import ast
 import math
 import re
 
 import pytest
 
 from _manifest import DRILLS
+from _pages import DETAILS, outside_details
 from _tree import ROOT
 
 PAGES = {d.id: ROOT / d.page for d in DRILLS}
@@ -39,6 +44,48 @@ def test_citations_reproduce_the_cited_lines(drill_id):
         lines = (ROOT / path).read_text().splitlines()[int(first) - 1:int(last)]
         assert shown.rstrip("\n").splitlines() == lines, (
             f"{PAGES[drill_id].name} cites {path}:{first}-{last}, but the block it shows is not those lines now")
+
+
+def answer_lines(stem):
+    """The reference's lines that give an answer away: longer than 25 characters, not an import,
+    a comment or a docstring, and not also in the stub (signatures and parameter lists are)."""
+    source = (ROOT / "solutions" / f"{stem}.py").read_text()
+    stub = {line.strip() for line in (ROOT / "mine" / f"{stem}.py").read_text().splitlines()}
+    docstrings = set()
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, (ast.Module, ast.FunctionDef, ast.ClassDef)) and ast.get_docstring(node) is not None:
+            doc = node.body[0]
+            docstrings.update(range(doc.lineno, doc.end_lineno + 1))
+    return [line.strip() for number, line in enumerate(source.splitlines(), 1)
+            if len(line.strip()) > 25 and number not in docstrings and line.strip() not in stub
+            and not line.strip().startswith(("import ", "from ", "#"))]
+
+
+@pytest.mark.parametrize("drill", DRILLS, ids=lambda d: d.id)
+def test_no_solution_line_outside_details(drill):
+    """The page teaches before it answers: no line of the reference stands outside a folded block."""
+    text = (ROOT / drill.page).read_text()
+    assert text.count("<details>") == text.count("</details>") == len(DETAILS.findall(text)) > 0
+    for summary, _ in DETAILS.findall(text):
+        assert "先做题" in summary, f"{drill.page} has a <details> block whose summary does not say 先做题"
+    outside = outside_details(text)
+    quoted = [line for line in answer_lines(drill.stem) if line in outside]
+    assert not quoted, f"{drill.page} quotes solutions/{drill.stem}.py outside <details>: {quoted}"
+
+
+def test_track_map_links_every_drill_in_order():
+    """content/README.md, the map a newcomer reads first: a picture, and every drill page in manifest order."""
+    text = (ROOT / "content" / "README.md").read_text()
+    assert "```mermaid" in text
+    linked = re.findall(r"\]\((?:\./)?(\w+)\.md\)", text)
+    first = {}
+    for i, name in enumerate(linked):
+        first.setdefault(name, i)
+    ids = [d.id for d in DRILLS]
+    assert all(i in first for i in ids), f"content/README.md does not link {[i for i in ids if i not in first]}"
+    assert sorted(ids, key=first.get) == ids, "content/README.md links the drills out of the manifest's order"
+    readme = (ROOT / "README.md").read_text()
+    assert "(content/README.md)" in readme, "README.md does not link the track map"
 
 
 def test_section_references_point_at_real_sections():

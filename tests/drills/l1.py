@@ -19,6 +19,7 @@ from rich.text import Text
 from _diagnose import Mismatch, describe_mistakes, known_mistakes
 from _drill import ELEMENT_SIZE, BenchCase, Drill, Mistake, Pitfall
 from _paged import DTYPES, Guarded, allocate_blocks, bits, guarded, noise, same_bits
+from _pages import section
 from _tree import load_drill
 
 TEST_SHAPES = dict(max_seqs=4, max_new_tokens=6, max_context=40, max_heads=4, head_sizes=(1, 3, 8, 16, 24, 40),
@@ -560,6 +561,7 @@ def picture(module, console):
 
 def check_worked_example_table(text):
     """§4's table: every column recomputed from the block table on the page."""
+    text = section(text, 4)
     table = ast.literal_eval(re.search(r"block_table = (\[\[.*?\]\])", text, re.S).group(1))
     block_size = int(re.search(r"block_size = (\d+)", text).group(1))
     assert (table, block_size) == (WORKED_EXAMPLE["block_table"], WORKED_EXAMPLE["block_size"])
@@ -616,6 +618,26 @@ def check_self_test_bytes_moved(text):
     assert round(total / ceiling / 1e3) == micros
 
 
+def check_int32_boundary(text):
+    """§5 and self-test 6: which fp16 caches still fit int32 offsets. A cache of exactly
+    2**31 elements does (its largest offset is 2**31 - 1); only more elements overflow."""
+    gib = 2**30
+    part = section(text, 5)
+    row = 16 * 8 * 128  # elements per physical block at block_size 16, H 8, D 128
+    caches = re.findall(r"(\d+) GiB (?:的 )?cache 是 (\d+) 个物理块", part) + re.findall(r"(\d+) GiB、(\d+) 个物理块", part)
+    assert [size for size, _ in caches] == ["2", "4", "8"]
+    for size, blocks in caches:
+        assert int(blocks) * row * 2 == int(size) * gib, f"§5: {blocks} blocks are not {size} GiB"
+        fits = int(blocks) * row - 1 <= 2**31 - 1
+        assert fits == (int(size) <= 4), f"§5: a {size} GiB cache {'fits' if fits else 'overflows'} int32"
+    assert int(re.search(r"fp16 的 2 GiB cache 是 (\d+) 个物理块", part).group(1)) == \
+        DRILL.bench[-1].params["num_blocks"]  # the bench cache the page calls 2 GiB
+    q = re.search(r"自测 6.*?有 (\d+) 个物理块.*?最后一个 slot 是 \d+ × (\d+) − 1 = (\d+)，它的最后一个元素偏移是 2³¹ − 1",
+                  text, re.S)
+    blocks, block_size, last_slot = map(int, q.groups())
+    assert last_slot == blocks * block_size - 1 and (last_slot + 1) * 1024 - 1 == 2**31 - 1
+
+
 # ---------------------------------------------------------------------------
 
 DRILL = Drill(
@@ -633,5 +655,5 @@ DRILL = Drill(
     picture=picture,
     draw_case=draw_case,
     page_checks=(check_worked_example_table, check_self_test_slot, check_self_test_waste, check_paging_numbers,
-                 check_self_test_offset, check_self_test_bytes_moved),
+                 check_self_test_offset, check_self_test_bytes_moved, check_int32_boundary),
 )

@@ -19,6 +19,7 @@ import _wrong
 from _diagnose import Mismatch, check_out_buffer, reproduces
 from _drill import ELEMENT_SIZE, BenchCase, Drill, Mistake, Pitfall
 from _paged import DTYPES, Guarded, allocate_blocks, guarded_nan, guarded_table, nan_outside, noise, owned_columns
+from _pages import section
 from _tree import load_drill
 
 TEST_SHAPES = dict(max_seqs=4, max_context=200, max_kv_heads=2, gqa_ratios=(1, 4, 8), head_sizes=(3, 8, 16, 24, 40),
@@ -577,6 +578,11 @@ def check_worked_example(text):
         assert [float(x) for x in p.split(",")] == pytest.approx(p2[0].tolist(), abs=1e-4)
         assert (float(l), float(acc)) == pytest.approx((float(l2), float(acc2)), abs=1e-4)
 
+    # The log-sum-exp L4 needs: m + log l, which is log of the sum of exp(score).
+    m, l, lse = re.search(r"lse = m \+ log l = (\d+) \+ ln ([\d.]+) ≈ ([\d.]+)", text).groups()
+    assert (float(m), float(l)) == (float(want[-1][0]), pytest.approx(float(want[-1][3]), abs=1e-4))
+    assert float(lse) == pytest.approx(math.log(sum(math.exp(s) for s in ex["scores"])), abs=1e-4)
+
     shown_out = float(re.search(r"≈ \*\*([\d.]+)\*\*", text).group(1))
     case = decode_example_case(device=_env.DEVICE)  # the solution's kernel runs where kernels run here
     assert shown_out == pytest.approx(float(case.reference()), abs=1e-4)
@@ -660,6 +666,29 @@ def check_self_test_small_batch_grid(text):
     assert programs == params["num_seqs"] * params["num_kv_heads"] and idle == 132 - programs
 
 
+def check_self_test_split_lse(text):
+    """Self-test 7: the lse of each half of §3's example, and their merge, which is the whole row's."""
+    ex = DECODE_EXAMPLE
+    q = _self_test(text, 7)
+    halves = re.findall(r"m = (\d+)、l = ([\d.]+)，lse = \d+ \+ ln [\d.]+ ≈ ([\d.]+)", q)
+    merged = float(re.search(r"合并：ln\(e\^[\d.]+ \+ e\^[\d.]+\) ≈ ([\d.]+)", q).group(1))
+    bs = ex["block_size"]
+    parts = [ex["scores"][i:i + bs] for i in range(0, len(ex["scores"]), bs)]
+    assert len(halves) == len(parts)
+    for (m, l, lse), scores in zip(halves, parts):
+        assert float(m) == max(scores)
+        assert float(l) == pytest.approx(sum(math.exp(s - max(scores)) for s in scores), abs=1e-4)
+        assert float(lse) == pytest.approx(math.log(sum(math.exp(s) for s in scores)), abs=1e-4)
+    assert merged == pytest.approx(math.log(sum(math.exp(s) for s in ex["scores"])), abs=1e-4)
+    assert "lse = m + log l" in section(text, 3)
+
+
+def check_int32_boundary(text):
+    """§4: the 2 GiB fp16 cache's block count (int32 offsets still fit there)."""
+    blocks = int(re.search(r"2 GiB 的 fp16 cache 有 (\d+) 个物理块", section(text, 4)).group(1))
+    assert blocks * 16 * 8 * 128 * 2 == 2 * 2**30
+
+
 # ---------------------------------------------------------------------------
 
 DRILL = Drill(
@@ -677,7 +706,7 @@ DRILL = Drill(
     bench_work=bench_work,
     page_checks=(check_worked_example, check_bench_bytes_and_flops, check_self_test_online_update,
                  check_self_test_small_batch_bytes, check_self_test_block_table_columns, check_self_test_gqa_mapping,
-                 check_self_test_small_batch_grid),
+                 check_self_test_small_batch_grid, check_self_test_split_lse, check_int32_boundary),
 )
 
 

@@ -1,0 +1,169 @@
+"""The grading run holds up against its learner: a learner's file cannot forge a pass,
+cannot reach the checks, and a hang, a crash or an early exit costs one test with a
+message that says what happened and where."""
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+import _grading
+import _wrong
+from _manifest import BY_ID
+from _tree import ROOT
+from _worker import LearnerCrash, LearnerTimeout, TreeModule, Worker
+
+L1 = BY_ID["l1"]
+
+
+def planted(tmp_path, pitfall, extra=""):
+    """The L1 reference with `pitfall` planted, and `extra` code run at its import."""
+    folder = _wrong.plant(L1, pitfall, tmp_path / "tree")
+    path = folder / f"{L1.stem}.py"
+    path.write_text(path.read_text() + "\n" + extra)
+    return folder
+
+
+FORGE = r'''
+import os as _os
+def _forge():
+    # What a learner's file could try: find the report in the test process's command
+    # line and write "passed" lines into it, and switch the checks off where it can.
+    args = open(f"/proc/{_os.getppid()}/cmdline").read().split("\0")
+    report = next((a.split("=", 1)[1] for a in args if a.startswith("--drills-report=")), None)
+    if report is None and "--drills-report" in args:
+        report = args[args.index("--drills-report") + 1]
+    if report:
+        with open(report, "a") as f:
+            for name in ("test_write_worked_example", "test_slot_mapping_worked_example"):
+                f.write('{"test": "tests/x.py::%s", "name": "%s", "outcome": "passed"}\t0\n' % (name, name))
+    import sys as _sys
+    for module in list(_sys.modules.values()):
+        for attr in ("check_kv_write", "check_slot_mapping", "classify"):
+            if hasattr(module, attr):
+                setattr(module, attr, lambda *a, **k: None)
+_forge()
+'''
+
+
+def test_a_learner_file_cannot_forge_a_pass(tmp_path):
+    tree = planted(tmp_path, "position_as_slot", FORGE)
+    summary = _grading.grade_drill(L1, tree, 300, select="worked_example")
+    assert summary["status"] == "failing"
+    assert "did not write" in (summary["problem"] or ""), summary["problem"]
+    assert "position_as_slot" in [d["pitfall"] for d in summary["diagnosis"]]
+
+
+def test_changed_machinery_is_reported(tmp_path):
+    cloned = subprocess.run(["git", "clone", "-q", str(ROOT), str(tmp_path / "repo")], capture_output=True)
+    if cloned.returncode != 0 or not (tmp_path / "repo/tests/_grading.py").exists():
+        pytest.skip("this copy of the repository has no git history of its own")
+    probe = [sys.executable, "-c", "import sys; sys.path.insert(0, 'tests'); import _grading; "
+             "print(_grading.integrity())"]
+    clean = subprocess.run(probe, cwd=tmp_path / "repo", capture_output=True, text=True)
+    assert clean.stdout.startswith("(True"), clean.stdout + clean.stderr
+    test_file = tmp_path / "repo" / "tests" / f"test_{L1.stem}.py"
+    test_file.write_text(test_file.read_text().replace("def test_", "def skipped_"))
+    dirty = subprocess.run(probe, cwd=tmp_path / "repo", capture_output=True, text=True)
+    assert dirty.stdout.startswith("(False") and f"test_{L1.stem}.py" in dirty.stdout
+
+
+# --- the worker: what a broken learner's module costs -------------------------
+
+
+@pytest.fixture
+def worker(monkeypatch):
+    w = Worker()
+    w.budget = 3
+    yield w
+    w.stop()
+
+
+def learner(tmp_path, body):
+    folder = tmp_path / "tree"
+    folder.mkdir(exist_ok=True)
+    (folder / f"{L1.stem}.py").write_text(body)
+    return folder
+
+
+def test_an_endless_loop_costs_its_test_then_the_next_call_works(tmp_path, worker):
+    tree = learner(tmp_path, "def slot_mapping(*a):\n    while True:\n        pass\n\n"
+                             "def reshape_and_cache(*a):\n    return 7\n")
+    started = time.monotonic()
+    with pytest.raises(LearnerTimeout, match="endless loop"):
+        worker.call(tree, L1.stem, "slot_mapping", (), {})
+    assert time.monotonic() - started < 30
+    worker.budget = 30
+    assert worker.call(tree, L1.stem, "reshape_and_cache", (), {}) == 7
+
+
+def test_an_exit_at_import_is_reported_as_such(tmp_path, worker):
+    tree = learner(tmp_path, "import os\nos._exit(0)\n")
+    worker.budget = 60
+    with pytest.raises(LearnerCrash, match="at import of your module"):
+        worker.call(tree, L1.stem, "slot_mapping", (), {})
+
+
+def test_a_crash_in_a_call_says_which_call(tmp_path, worker):
+    tree = learner(tmp_path, "import os, signal\ndef slot_mapping(*a):\n    os.kill(os.getpid(), signal.SIGSEGV)\n")
+    worker.budget = 60
+    with pytest.raises(LearnerCrash, match=r"in slot_mapping\(\) \(killed by SIGSEGV\)"):
+        worker.call(tree, L1.stem, "slot_mapping", (), {})
+
+
+def test_a_renamed_function_is_named_by_its_file(tmp_path, worker):
+    tree = learner(tmp_path, "def slot_map(*a):\n    return 1\n")
+    worker.budget = 60
+    with pytest.raises(AttributeError, match=rf"{L1.stem}\.py defines no slot_mapping\(\).*renamed"):
+        worker.call(tree, L1.stem, "slot_mapping", (), {})
+
+
+def test_what_the_learner_prints_comes_back(tmp_path, capfd):
+    tree = learner(tmp_path, "def slot_mapping(*a):\n    print('debug: slot 13')\n    return 13\n")
+    assert TreeModule(tree, L1.stem).slot_mapping() == 13
+    assert "debug: slot 13" in capfd.readouterr().out
+
+
+def test_the_first_failure_shows_what_the_learner_printed(tmp_path):
+    tree = planted(tmp_path, "token_index_as_position")
+    path = tree / f"{L1.stem}.py"
+    path.write_text(path.read_text().replace('    """Slot of each new token', '    print("my positions:", positions)\n'
+                                                                             '    """Slot of each new token', 1))
+    summary = _grading.grade_drill(L1, tree, 300, select="worked_example")
+    assert "my positions:" in summary["first_failure"]["stdout"]
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="process groups and /proc")
+def test_ctrl_c_stops_every_process_the_grader_started(tmp_path):
+    tree = learner(tmp_path, "def slot_mapping(*a):\n    while True:\n        pass\n")
+    grader = subprocess.Popen([sys.executable, "grader.py", "l1", f"--tree={tree}", "--test-timeout", "600"],
+                              cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+
+    def ours():
+        found = []
+        for pid in os.listdir("/proc"):
+            try:
+                if str(tree) in open(f"/proc/{pid}/cmdline").read():
+                    found.append(pid)
+            except (OSError, ValueError):
+                pass
+        return found
+    deadline = time.monotonic() + 60
+    while not [p for p in ours() if int(p) != grader.pid] and time.monotonic() < deadline:
+        time.sleep(0.2)
+    time.sleep(4)  # let the test process start its worker
+    grader.send_signal(signal.SIGINT)
+    out, _ = grader.communicate(timeout=30)
+    assert grader.returncode == 128 + signal.SIGINT
+    assert "stopped by SIGINT" in out
+    time.sleep(1)
+    assert ours() == [], "processes of the grade are still running after Ctrl-C"
+
+
+@pytest.mark.parametrize("argv,says", [(["hint", "l9"], "no drill 'l9'"),
+                                       (["show", "l1", "--tree", "/nonexistent-tree"], "is not a folder")])
+def test_commands_answer_bad_arguments_in_words(argv, says):
+    result = subprocess.run([sys.executable, "grader.py", *argv], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert result.returncode != 0 and says in result.stdout and "Traceback" not in result.stderr
