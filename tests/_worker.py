@@ -155,7 +155,9 @@ class TreeModule:
         self._tree, self._stem = str(tree), stem
 
     def __getattr__(self, name):
-        if name.startswith("__"):
+        # A drill's public names never start with "_"; private ones (hypothesis asks for
+        # `_repr_pretty_` when it prints a failing example) are not the learner's to answer.
+        if name.startswith("_"):
             raise AttributeError(name)
 
         def call(*args, **kwargs):
