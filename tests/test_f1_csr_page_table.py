@@ -334,7 +334,7 @@ def test_large_cache_needs_int64_offsets(drill, device):
         t = right.index(False)
         error = Mismatch(f"token {t} belongs in page {places[t][0]:,}, entry {places[t][1]} (flat offset "
                          f"{k_cache[places[t]].storage_offset():,}), but that entry does not hold its values "
-                         f"(content/f1.md §8)")
+                         f"(content/f1.md §9)")
         if right[1]:  # page 5, near the start, is right: only the offsets past 2**31 went wrong
             error = name_pitfalls(Mismatch(str(error) + "\n  page 5, near the start of the cache, is right: "
                                            "offsets computed in int32 wrap around past 2**31"), ["int32_offsets"])

@@ -16,11 +16,12 @@ from hypothesis import strategies as st
 
 from _diagnose import Mismatch, describe_mistakes, known_mistakes
 from _drill import ELEMENT_SIZE, BenchCase, Drill, Mistake, Pitfall
+from _pages import section
 from _paged import DTYPES, allocate_blocks, bits, followed_by, guarded, noise
 from _tree import ROOT
 
 STEM = "f1_csr_page_table"
-SECTION = "content/f1.md §8"
+SECTION = "content/f1.md §9"
 
 
 # ---------------------------------------------------------------------------
@@ -455,7 +456,7 @@ def check_append(case):
         diff = bits(g.storage.cpu()) != bits(w)
         if diff[:g.margin].any():
             findings.append(f"values were written before the start of the cache ({int(diff[:g.margin].sum())} "
-                            f"elements in the guard): an offset went negative (content/f1.md §8)")
+                            f"elements in the guard): an offset went negative (content/f1.md §9)")
         if diff[g.margin + g.view.numel():].any():
             findings.append(f"values were written past the end of the cache "
                             f"({int(diff[g.margin + g.view.numel():].sum())} elements in the guard)")
@@ -717,12 +718,6 @@ def picture(module, console):
 # Page checks: every number content/f1.md shows, recomputed.
 
 
-def _section(text, n):
-    start = text.index(f"\n## {n}. ")
-    end = text.find("\n## ", start + 5)
-    return text[start:end if end > 0 else len(text)]
-
-
 def _ints(s):
     return [int(x) for x in re.findall(r"-?\d+", s)]
 
@@ -730,7 +725,7 @@ def _ints(s):
 def check_page_example(text):
     """§2: the block table and its CSR arrays; §5: the append table, row by row."""
     ex = WORKED_EXAMPLE
-    s2 = _section(text, 2)
+    s2 = section(text, 2)
     assert eval(re.search(r"block_table = (\[\[.*?\]\])", s2, re.S).group(1)) == ex["block_table"]
     assert _ints(re.search(r"seq_lens = (\[[-\d, ]+\])", s2).group(1)) == ex["seq_lens"]
     assert int(re.search(r"page_size = (\d+)", s2).group(1)) == ex["page_size"]
@@ -738,7 +733,7 @@ def check_page_example(text):
     for name, want in zip(("kv_indptr", "kv_indices", "kv_last_page_len"), csr):
         shown = _ints(re.search(rf"{name}\s*= (\[[-\d, ]+\])", s2).group(1))
         assert shown == want.tolist() == ex[name], name
-    s5 = _section(text, 5)
+    s5 = section(text, 5)
     assert _ints(re.search(r"append_indptr = (\[[-\d, ]+\])", s5).group(1)) == ex["append_indptr"]
     bi, pos = ref_batch_indices_positions(torch.tensor(ex["append_indptr"]), torch.tensor(ex["seq_lens"]),
                                           ex["append_indptr"][-1])
@@ -755,8 +750,8 @@ def check_page_example(text):
 
 
 def check_self_tests(text):
-    """§9's answers, each recomputed."""
-    s9 = _section(text, 9)
+    """§10's answers, each recomputed."""
+    s9 = section(text, 10)
     q1 = s9[s9.index("**自测 1**"):s9.index("**自测 2**")]
     table = eval(re.search(r"block_table = (\[\[.*?\]\])", q1).group(1))
     lens = _ints(re.search(r"seq_lens = (\[[\d, ]+\])", q1).group(1))
