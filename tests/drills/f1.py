@@ -226,8 +226,9 @@ def append_case(context_lens, append_lens, page_size, *, num_heads, head_size, d
     inputs, key, value = _rows(nnz, num_heads, head_size, rows, dtype, device, gen)
     per_page = (page_size, num_heads, head_size) if kv_layout == "NHD" else (num_heads, page_size, head_size)
     page_elems = page_size * num_heads * head_size
-    # Margins of a page plus H*H*D: a kernel that swaps the entry and head strides reaches that far.
-    margin = page_elems + num_heads * num_heads * head_size
+    # A page plus (H*H + S*S)*D each side: a kernel that swaps the entry and head strides
+    # reaches up to that far past the last page, and must hit the guard, not other memory.
+    margin = page_elems + (num_heads ** 2 + page_size ** 2) * head_size
     if cache_form == "5d":
         storages = [guarded((num_pages, 2, *per_page), dtype, device, gen, margin)]
     else:
