@@ -7,16 +7,16 @@ hold NaN, the unused end of each last block holds stale noise (or NaN), and the
 output memory is NaN before the call. A failure says which sequence and query
 head is off and which mistake reproduces it.
 """
-import math
 
 import pytest
 import torch
-from hypothesis import Phase, given, settings
+from hypothesis import given
 
 from _diagnose import Mismatch, expect_value_error
 from _paged import DTYPES, caches_past_int32, changed, poisoned_out, snapshot
-from drills.l2 import (DECODE_EXAMPLE, DecodeCase, check_paged_decode, decode_example_case, paged_decode_case,
-                       paged_decode_params)
+from drills.l2 import (DECODE_EXAMPLE, DecodeCase, check_paged_decode, decode_example_case, far_garbage_case,
+                       large_logits_case, new_token_first_case, paged_decode_case, paged_decode_params,
+                       rising_scores_case, small_case)
 
 ALL_DTYPES = list(DTYPES.values())
 
@@ -37,8 +37,7 @@ def run(drill, case):
 
 
 def _case(device, seq_lens, **kwargs):
-    shape = dict(num_heads=8, num_kv_heads=2, head_size=16, block_size=16)
-    return paged_decode_case(seq_lens, **{**shape, **kwargs}, device=device)
+    return small_case(device, seq_lens, **kwargs)
 
 
 # --- the worked example and one case per dtype (content/l2.md §3) ----------
@@ -79,6 +78,13 @@ def test_block_table_past_seq_len_is_never_read(drill, device):
     run(drill, _case(device, [128, 32, 1, 20], extra_columns=0, seed=4))
 
 
+@pytest.mark.pitfall("reads_past_seq_len")
+def test_block_table_entries_far_outside_the_cache_are_never_read(drill, device):
+    """pitfall:reads_past_seq_len: here the garbage columns name blocks far past the cache's end,
+    as a freed table row may; reading one faults on a GPU (and in the interpreter)."""
+    run(drill, far_garbage_case(device))
+
+
 @pytest.mark.pitfall("wrong_gqa_mapping")
 @pytest.mark.parametrize("num_heads,num_kv_heads", [(8, 2), (16, 2), (12, 3)], ids=["ratio4", "ratio8", "ratio4x3"])
 def test_gqa_head_mapping(drill, device, num_heads, num_kv_heads):
@@ -106,45 +112,26 @@ def test_explicit_scale_is_honoured(drill, device, scale):
 def test_large_logits_need_the_running_max(drill, device):
     """pitfall:no_running_max: sequence 1's logits reach a few hundred, where exp() overflows
     float16 and float32 alike; sequence 0's stay small, so a softmax without the max gets it right."""
-    case = _case(device, [40, 70], seed=9)
-    case.query[1] *= 60
-    largest = [float(scores.max()) for scores, _ in case.scores_values()]
-    assert largest[0] < 11 and largest[1] > 120  # exp overflows float16 past 11.1, float32 past 88.7
-    run(drill, case)
+    run(drill, large_logits_case(device))
 
 
 @pytest.mark.pitfall("no_rescale")
 def test_running_max_grows_across_tiles(drill, device):
     """pitfall:no_rescale: long sequences whose scores keep growing, so the max moves on every tile."""
-    case = _case(device, [200, 150], seed=10)
-    group = case.query.shape[1] // case.k_cache.shape[2]
-    for b, n in enumerate(case.seq_lens.tolist()):
-        blocks = case.block_table[b, :math.ceil(n / case.block_size)].long()
-        ramp = torch.linspace(0, 3, blocks.numel() * case.block_size, device=device).view(-1, case.block_size, 1, 1)
-        # Token t's key gains ramp[t] times the query of its KV head's first query head.
-        k = case.k_cache[blocks].float() + ramp * case.query[b, ::group].float()
-        case.k_cache[blocks] = k.to(case.k_cache.dtype)
-    run(drill, case)
+    run(drill, rising_scores_case(device))
 
 
 @pytest.mark.pitfall("off_by_one")
 def test_new_token_attends_to_itself(drill, device):
     """pitfall:off_by_one: seq_len counts the new token, whose K/V is already in the cache; here
     that token scores highest, so leaving it out moves every output."""
-    case = _case(device, [3, 17, 32], seed=15)
-    group = case.query.shape[1] // case.k_cache.shape[2]
-    for b, n in enumerate(case.seq_lens.tolist()):
-        block, offset = case.block_table[b, (n - 1) // case.block_size].long(), (n - 1) % case.block_size
-        case.k_cache[block, offset] = 3 * case.query[b, ::group]  # the last token's key, per KV head
-    run(drill, case)
+    run(drill, new_token_first_case(device))
 
 
 @pytest.mark.pitfall("query_stride_ignored")
 def test_query_may_be_a_view_of_fused_qkv(drill, device):
     """pitfall:query_stride_ignored: query = qkv[:, :H_q*D], rows (H_q + 2 H_kv) * D apart."""
-    case = _case(device, [9, 33], layout="fused_qkv", seed=11)
-    assert not case.query.is_contiguous()
-    run(drill, case)
+    run(drill, _case(device, [9, 33], layout="fused_qkv", seed=11))
 
 
 @pytest.mark.pitfall("unmasked_head_size")
@@ -178,10 +165,6 @@ def test_empty_batch(drill, device):
 # --- hypothesis sweeps ------------------------------------------------------
 
 
-# No shrinking: under the interpreter one example costs about 0.1 s and shrinking a
-# failure runs hundreds of them, while the failure message already names the
-# sequence, the query head and the mistake that reproduces the output.
-@settings(phases=(Phase.explicit, Phase.reuse, Phase.generate))
 @given(params=paged_decode_params())
 def test_matches_reference(drill, device, params):
     run(drill, paged_decode_case(**params, device=device))

@@ -461,12 +461,12 @@ def bench_work(module, params, device, n_sets):
 SEQ_STYLE = ("bold blue", "bold magenta", "bold cyan", "bold yellow")
 
 
-def _label_slots(case, storage, rows):
-    """One label per slot (and per guard) of a k_cache storage: whose values are there."""
+def _label_slots(case, cache, storage, rows):
+    """One label per slot (and per guard) of a cache's storage: whose values are there."""
     num_tokens = rows.shape[0]
     hd = rows[0].numel() if num_tokens else 1
-    margin, size = case.k_cache.margin, case.k_cache.view.numel()
-    before = case.k_cache.initial
+    margin, size = cache.margin, cache.view.numel()
+    before = cache.initial
     token_rows = [bits(rows[t].reshape(-1)) for t in range(num_tokens)]
 
     def label(now, was):
@@ -505,15 +505,19 @@ def _cache_table(title, case, labels, front, back, shown):
 
 
 def draw_case(case, console):
-    """A case that already ran (saved by the tests when it failed): draw the caches."""
-    expected, _ = case.expected()
-    want, got = _label_slots(case, expected, case.key), _label_slots(case, case.k_cache.storage, case.key)
+    """A case that already ran (saved by the tests when it failed): draw the cache that
+    is wrong (k_cache unless only v_cache is), expected beside yours."""
+    want_k, want_v = case.expected()
+    name, cache, expected, rows = "k_cache", case.k_cache, want_k, case.key
+    if same_bits(case.k_cache.storage, want_k) and not same_bits(case.v_cache.storage, want_v):
+        name, cache, expected, rows = "v_cache", case.v_cache, want_v, case.value
+    want, got = _label_slots(case, cache, expected, rows), _label_slots(case, cache, cache.storage, rows)
     # Draw every block either side touched, and the page's small examples whole.
     num_blocks = len(want[0]) // case.block_size
     shown = {s // case.block_size for labels in (want[0], got[0]) for s, cell in enumerate(labels) if cell.plain != "·"}
     shown = set(range(num_blocks)) if num_blocks <= 12 else shown
-    want = _cache_table("k_cache, expected", case, *want, shown)
-    got = _cache_table("k_cache, yours", case, *got, shown)
+    want = _cache_table(f"{name}, expected", case, *want, shown)
+    got = _cache_table(f"{name}, yours", case, *got, shown)
     console.print(f"[dim]slot_mapping = {case.slot_mapping.tolist()}; tokens' sequences = {case.seq_idx.tolist()}, "
                   f"positions = {case.positions.tolist()}[/]")
     console.print(Columns([want, got], padding=(0, 6)))

@@ -7,18 +7,22 @@ pitfalls, the bench work, the picture, the page checks, and the manifest entry
 """
 import ast
 import math
+import os
 import re
 from dataclasses import dataclass
 
 import pytest
 import torch
 from hypothesis import strategies as st
+from rich.table import Table
+from rich.text import Text
 
 import _env
 import _wrong
 from _diagnose import Mismatch, check_out_buffer, reproduces
 from _drill import ELEMENT_SIZE, BenchCase, Drill, Mistake, Pitfall
-from _paged import DTYPES, Guarded, allocate_blocks, guarded_nan, guarded_table, nan_outside, noise, owned_columns
+from _paged import (DTYPES, Guarded, allocate_blocks, guarded_nan, guarded_table, nan_outside, never_written, noise,
+                    owned_columns, poisoned_out)
 from _pages import section
 from _tree import load_drill
 
@@ -183,6 +187,56 @@ def decode_example_case(device="cpu"):
                       seq_lens=torch.tensor([n], dtype=torch.int32, device=device), scale=1.0, guarded=True)
 
 
+def small_case(device, seq_lens, **kwargs):
+    """The tests' usual shape: 8 query heads over 2 KV heads, D = 16, blocks of 16."""
+    shape = dict(num_heads=8, num_kv_heads=2, head_size=16, block_size=16)
+    return paged_decode_case(seq_lens, **{**shape, **kwargs}, device=device)
+
+
+def large_logits_case(device):
+    """Sequence 1's logits reach a few hundred, where exp() overflows float16 and float32
+    alike; sequence 0's stay small (tests/test_fixtures.py checks both)."""
+    case = small_case(device, [40, 70], seed=9)
+    case.query[1] *= 60
+    return case
+
+
+def rising_scores_case(device):
+    """Long sequences whose scores keep growing, so the running max moves on every tile."""
+    case = small_case(device, [200, 150], seed=10)
+    group = case.query.shape[1] // case.k_cache.shape[2]
+    for b, n in enumerate(case.seq_lens.tolist()):
+        blocks = case.block_table[b, :math.ceil(n / case.block_size)].long()
+        ramp = torch.linspace(0, 3, blocks.numel() * case.block_size, device=device).view(-1, case.block_size, 1, 1)
+        # Token t's key gains ramp[t] times the query of its KV head's first query head.
+        k = case.k_cache[blocks].float() + ramp * case.query[b, ::group].float()
+        case.k_cache[blocks] = k.to(case.k_cache.dtype)
+    return case
+
+
+def new_token_first_case(device):
+    """The new (last) token of each sequence scores highest, so leaving it out moves every output."""
+    case = small_case(device, [3, 17, 32], seed=15)
+    group = case.query.shape[1] // case.k_cache.shape[2]
+    for b, n in enumerate(case.seq_lens.tolist()):
+        block, offset = case.block_table[b, (n - 1) // case.block_size].long(), (n - 1) % case.block_size
+        case.k_cache[block, offset] = 3 * case.query[b, ::group]  # the last token's key, per KV head
+    return case
+
+
+FAR = 1 << 28  # a block number far past any test cache: block * block_size * H_kv * D passes 2**36
+
+
+def far_garbage_case(device):
+    """Every block-table entry past a sequence's last block names a block far past the
+    cache's end (sequence 0 uses its whole row, so it has none)."""
+    case = small_case(device, [64, 16, 1, 20], extra_columns=0, seed=17)
+    table = case.block_table.clone()
+    table[~owned_columns(case.seq_lens, case.block_size, table.shape[1]).to(table.device)] = FAR
+    return DecodeCase(query=case.query, k_cache=case.k_cache, v_cache=case.v_cache, block_table=table,
+                      seq_lens=case.seq_lens, guarded=False)
+
+
 @st.composite
 def paged_decode_params(draw, dtypes=tuple(DTYPES)):
     """Keyword arguments for paged_decode_case, within L2's test shapes."""
@@ -241,6 +295,7 @@ def check_paged_decode(case, out, returned=None):
     wrong = ~_close(got, want, atol, rtol)  # [B, H_q]; NaN counts as wrong
     if not wrong.any():
         return
+    _keep_for_picture(case, got)
     b, h = (int(i) for i in wrong.nonzero()[0])
     if torch.isfinite(got[b, h]).all():
         finding, pitfall = _explain_wrong(case, got, want, wrong, b, h, atol, rtol)
@@ -427,7 +482,7 @@ PITFALLS = {
         ("pos // BLOCK_SIZE, mask=live, other=0)", f"pos // BLOCK_SIZE, mask={_WHOLE_ROW}, other=0)"),
         ("kv_mask = live[:, None] & (dims < HEAD_SIZE)[None, :]",
          f"kv_mask = ({_WHOLE_ROW})[:, None] & (dims < HEAD_SIZE)[None, :]"),
-    ]),
+    ], crashes=True),
     "off_by_one": Pitfall(says="only seq_len - 1 tokens are attended: seq_len already counts the new token", edits=[
         ("live = pos < seq_len", "live = pos < seq_len - 1"),
     ]),
@@ -548,6 +603,61 @@ def bench_work(module, params, device, n_sets):
             sdpa(query, k, v)
 
     return ours, {"gather + SDPA": (gather_sdpa, True), "SDPA, contiguous KV": (sdpa_contiguous, True)}
+
+
+# ---------------------------------------------------------------------------
+# The picture: which (sequence, query head) outputs are right, and the blocks each sequence owns
+
+
+def _keep_for_picture(case, got):
+    """Save the first failing case small enough to draw where the grader asked (DRILLS_CASE_DUMP)."""
+    path = os.environ.get("DRILLS_CASE_DUMP")
+    if path and not os.path.exists(path) and case.query.shape[0] <= 8 and case.query.shape[1] <= 32:
+        torch.save((case, got), path)
+
+
+def draw_case(saved, console):
+    """A case that already ran: one row per sequence, one cell per query head."""
+    case, got = saved
+    want = case.reference()
+    atol, rtol = DECODE_TOLERANCE[case.query.dtype]
+    right = _close(got.float().cpu(), want, atol, rtol)
+    unwritten = never_written(got.cpu()).all(dim=-1) if got.is_floating_point() else torch.zeros_like(right)
+    num_heads, group = case.query.shape[1], case.query.shape[1] // case.k_cache.shape[2]
+    table = Table(header_style="bold", box=None, padding=(0, 1))
+    table.add_column("seq")
+    table.add_column("seq_len")
+    table.add_column("blocks it reads (block_table row, owned columns)")
+    for h in range(num_heads):
+        table.add_column(f"h{h}" + ("|" if (h + 1) % group == 0 and h + 1 < num_heads else ""), justify="center")
+    owned = owned_columns(case.seq_lens, case.block_size, case.block_table.shape[1])
+    for b in range(case.query.shape[0]):
+        cells = []
+        for h in range(num_heads):
+            if unwritten[b, h]:
+                cells.append(Text("·", style="bold white on red"))
+            elif not torch.isfinite(got[b, h].float()).all():
+                cells.append(Text("NaN", style="bold red"))
+            else:
+                cells.append(Text("✓", style="green") if right[b, h] else Text("✗", style="bold red"))
+        blocks = case.block_table[b].cpu()[owned[b]].tolist()
+        table.add_row(str(b), str(int(case.seq_lens[b])), str(blocks), *cells)
+    console.print(f"[dim]H_q={num_heads}, H_kv={case.k_cache.shape[2]} (| separates the query heads of one KV "
+                  f"head), D={case.query.shape[2]}, block_size={case.block_size}[/]")
+    console.print(table)
+    console.print("[dim]✓ right   ✗ wrong   NaN non-finite   ·: never written (still the NaN out= held)[/]")
+
+
+def picture(module, console):
+    """Your kernel on a small GQA batch: sequences of 5, 17 and 33 tokens (a partial
+    last block, one token into a new block, several blocks), NaN past each end."""
+    case = small_case(_env.DEVICE, [5, 17, 33], tail="nan", seed=3)
+    out = poisoned_out(case.query.shape, case.query.dtype, case.query.device, torch.Generator().manual_seed(0))
+    try:
+        module.paged_decode_attention(*case.args(), **case.kwargs(), out=out.view)
+    except Exception as error:  # the picture must draw whatever the learner's code does
+        console.print(f"[red]paged_decode_attention raised {type(error).__name__}: {error}[/]")
+    draw_case((case, out.view), console)
 
 
 # ---------------------------------------------------------------------------
@@ -704,6 +814,8 @@ DRILL = Drill(
     # B=64 moves 1 GiB (about 250 us at 4.3 TB/s); B=8 moves 128 MiB, short enough that launch gaps count.
     bench=(_bench_case(64, graph=False), _bench_case(8, graph=True)),
     bench_work=bench_work,
+    picture=picture,
+    draw_case=draw_case,
     page_checks=(check_worked_example, check_bench_bytes_and_flops, check_self_test_online_update,
                  check_self_test_small_batch_bytes, check_self_test_block_table_columns, check_self_test_gqa_mapping,
                  check_self_test_small_batch_grid, check_self_test_split_lse, check_int32_boundary),
