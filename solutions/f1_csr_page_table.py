@@ -35,10 +35,10 @@ def batch_indices_positions(append_indptr, seq_lens, nnz):
     # ends indptr[1:] that are <= t. Empty sequences repeat an end and get no token.
     batch = torch.searchsorted(append_indptr[1:], token, right=True, out_int32=True)
     past_end = batch == len(seq_lens)  # t >= indptr[-1]: padding, as in a CUDA graph
-    batch = torch.where(past_end, 0, batch)  # a safe index for the gathers below
     append_len = append_indptr[1:] - append_indptr[:-1]
-    # The new tokens are the last append_len[b] of sequence b: they start at seq_len - append_len.
-    positions = seq_lens[batch] - append_len[batch] + (token - append_indptr[batch])
+    # Sequence b's new tokens start at seq_len - append_len; padding (b = B) reads an appended 0.
+    seq_lens_, append_len_ = (torch.cat([t, t.new_zeros(1)]) for t in (seq_lens, append_len))
+    positions = seq_lens_[batch] - append_len_[batch] + (token - append_indptr[batch])
     return torch.where(past_end, -1, batch).int(), torch.where(past_end, 0, positions).int()
 
 

@@ -112,6 +112,11 @@ def test_tokens_past_the_last_sequence_are_padding(drill, device):
     assert got == [[0, 2, 2, -1, -1, -1], [3, 0, 1, 0, 0, 0]]
 
 
+def test_an_empty_batch_padded_for_a_graph_is_all_padding(drill, device):
+    got = bip(drill, [0], [], 2, device)
+    assert got == [[-1, -1], [0, 0]]
+
+
 @given(params=append_params())
 def test_batch_indices_positions_matches_reference(drill, device, params):
     case = append_case(**params, device=device)

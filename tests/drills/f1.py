@@ -496,7 +496,7 @@ PITFALLS = {
              "page_size, stride_entry, stride_head = k_cache.shape[2], k_cache.stride(1), k_cache.stride(2)"),)),
     "token_index_as_position": Pitfall(
         says="the token's global index in the batch is used as its position in its sequence", edits=(
-            ("positions = seq_lens[batch] - append_len[batch] + (token - append_indptr[batch])",
+            ("positions = seq_lens_[batch] - append_len_[batch] + (token - append_indptr[batch])",
              "positions = token"),)),
     "int32_offsets": Pitfall(
         says="page * stride_page is computed in int32 and wraps around once the cache passes 2**31 elements", edits=(
