@@ -231,16 +231,16 @@ def _check_page_table(batch_indices, positions, k_cache, kv_indices, kv_indptr, 
     if bool(((kv_last_page_len < low) | (kv_last_page_len > page_size * low)).any()):
         raise ValueError(f"kv_last_page_len must be 1..{page_size} for a sequence with pages and 0 for one "
                          f"without; got {kv_last_page_len.tolist()[:16]} for page counts {pages.tolist()[:16]}")
-    real = batch_indices >= 0
     if bool((batch_indices >= len(kv_last_page_len)).any() | (batch_indices < -1).any()):
         raise ValueError(f"batch_indices must lie in 0..{len(kv_last_page_len) - 1} (or be -1 for padding); "
                          f"got {batch_indices.tolist()[:16]}")
-    b, pos = batch_indices[real].long(), positions[real].long()
-    seq_len = (pages[b] - 1).clamp(min=0) * page_size + kv_last_page_len[b]
-    beyond = (pos < 0) | (pos >= seq_len)
+    # Each real token's sequence length, as FlashInfer's get_seq_lens computes it (content/f1.md §4);
+    # a padding token reads a 0 appended for it (an empty batch has nothing else to read).
+    b = torch.where(batch_indices >= 0, batch_indices.long(), len(pages))
+    seq_len = torch.cat([(pages - 1).clamp(min=0) * page_size + kv_last_page_len, pages.new_zeros(1)])[b]
+    beyond = (batch_indices >= 0) & ((positions < 0) | (positions >= seq_len))
     if bool(beyond.any()):
-        t = int(real.nonzero()[beyond.nonzero()[0]])
+        t = int(beyond.nonzero()[0])
         raise ValueError(f"token {t}: position {int(positions[t])} of sequence {int(batch_indices[t])} is beyond "
-                         f"its allocated pages (kv_indptr and kv_last_page_len give it "
-                         f"{int(seq_len[beyond.nonzero()[0]])} tokens); kv_indptr/kv_last_page_len must already "
-                         f"count the appended tokens")
+                         f"its allocated pages (kv_indptr and kv_last_page_len give it {int(seq_len[t])} tokens); "
+                         f"kv_indptr/kv_last_page_len must already count the appended tokens")

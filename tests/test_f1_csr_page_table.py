@@ -195,6 +195,11 @@ def test_empty_sequences_in_the_batch(drill, device):
     run(drill, case)
 
 
+def test_an_empty_batch_of_padding_writes_nothing(drill, device):
+    case = append_case([], [], 4, num_heads=2, head_size=8, padding=2, device=device)
+    run(drill, case)
+
+
 def test_zero_tokens_is_a_no_op(drill, device):
     case = append_case([5], [0], 4, num_heads=2, head_size=8, device=device)
     run(drill, case)
