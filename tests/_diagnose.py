@@ -17,17 +17,21 @@ from contextlib import contextmanager
 
 import torch
 
+import _env
 import _wrong
 from _paged import bits, never_written, same_bits
 
 
 class Mismatch(AssertionError):
     """A wrong answer, explained. First line: the finding; then the evidence.
-    `pitfalls` lists the page's pitfalls the evidence singles out (often none)."""
+    `pitfalls` lists the page's pitfalls the evidence singles out (often none);
+    `undecided` those it can neither confirm nor rule out (the planted mistake races
+    on this input, so its output is not one answer)."""
 
-    def __init__(self, message, pitfalls=()):
+    def __init__(self, message, pitfalls=(), undecided=()):
         super().__init__(message)
         self.pitfalls = list(pitfalls)
+        self.undecided = list(undecided)
 
 
 @contextmanager
@@ -75,18 +79,27 @@ def describe_mistakes(drill, names):
 
 
 def known_mistakes(drill, outcome, got):
-    """The pitfalls whose planted variant, run on the same input, produces exactly
-    `got`: `outcome(module)` runs a module on that input and returns a tuple of
-    tensors, compared bit for bit. A variant that cannot run on it is no evidence."""
-    found = []
+    """(found, undecided): the pitfalls whose planted variant, run on the same input,
+    produces exactly `got`, and those whose variant races on it (two runs differ: on a
+    GPU, programs that write one place in no fixed order), which are no evidence either
+    way. `outcome(module)` runs a module on that input and returns a tuple of tensors,
+    compared bit for bit. A variant that cannot run on it is no evidence."""
+    found, undecided = [], []
     for name in drill.pitfalls:
         try:
             theirs = outcome(_wrong.variant(drill, name))
+            again = theirs if _env.INTERPRET else outcome(_wrong.variant(drill, name))  # the interpreter is sequential
         except Exception:
             continue
-        if len(theirs) == len(got) and all(same_bits(a.cpu(), b.cpu()) for a, b in zip(theirs, got)):
+        if not _same_all(theirs, again):
+            undecided.append(name)
+        elif _same_all(theirs, got):
             found.append(name)
-    return found
+    return found, undecided
+
+
+def _same_all(a, b):
+    return len(a) == len(b) and all(same_bits(x.cpu(), y.cpu()) for x, y in zip(a, b))
 
 
 def far_from(want, alt, atol, rtol, factor=10):

@@ -189,9 +189,10 @@ def _evidence(drill, ordered):
         ([p for p in r["pitfalls"] if p in (r.get("pitfall_test") or ())] for r in ordered
          if set(r.get("pitfalls") or ()) & set(r.get("pitfall_test") or ()) and not r.get("example")), [])
     # A name is withdrawn when a fixed test that exists to catch that pitfall failed
-    # without naming it: the evidence contradicts itself, so it is no evidence.
-    named = [p for p in named if all(p in (r.get("pitfalls") or ()) for r in ordered
-                                     if p in (r.get("pitfall_test") or ()) and not r.get("example"))]
+    # without naming it (and without being unable to tell: a racing mistake): the
+    # evidence contradicts itself, so it is no evidence.
+    named = [p for p in named if all(p in (r.get("pitfalls") or ()) or p in (r.get("undecided") or ())
+                                     for r in ordered if p in (r.get("pitfall_test") or ()) and not r.get("example"))]
     crashes = [r for r in ordered if r.get("kind") in ("crash", "timeout")]
     if crashes and not named:
         common = set.intersection(*(set(r.get("pitfall_test") or ()) for r in crashes))

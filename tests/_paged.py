@@ -97,12 +97,35 @@ def poisoned_out(shape, dtype, device, gen, margin=None):
     return g
 
 
+_BIG_MEMORY = None  # the lock file held while this process owns caches past 2**31 elements
+
+
+def release_big_memory():
+    """Let the next test (in this or another test process) build its large caches."""
+    global _BIG_MEMORY
+    if _BIG_MEMORY is not None:
+        _BIG_MEMORY.close()
+        _BIG_MEMORY = None
+
+
 def caches_past_int32(block_size, num_kv_heads, head_size, device, dtype=torch.float16):
     """k/v caches [num_blocks, block_size, H_kv, D] of just over 2**31 elements each
     (4 GiB in fp16), for the int64-offset tests. Never filled: on the CPU they are
-    made in shared memory from the start (the learner's code runs in another process),
-    and pages nobody touches cost no memory. Skips the test where they do not fit."""
+    made in shared memory from the start (the learner's code runs in another process).
+    Triton's CPU interpreter copies each tensor's whole storage onto itself after a
+    launch, so there they cost their full 8 GiB for the test's duration: one test at
+    a time on this machine holds them (a lock file, released when the test ends).
+    Skips the test where they do not fit."""
+    import fcntl
+    import os
+    import tempfile
+
     import pytest
+
+    global _BIG_MEMORY
+    if torch.device(device).type == "cpu" and _BIG_MEMORY is None:
+        _BIG_MEMORY = open(os.path.join(tempfile.gettempdir(), "drills-big-memory.lock"), "w")
+        fcntl.flock(_BIG_MEMORY, fcntl.LOCK_EX)
 
     num_blocks = 2**31 // (block_size * num_kv_heads * head_size) + 4
     shape = (num_blocks, block_size, num_kv_heads, head_size)

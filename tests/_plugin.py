@@ -14,6 +14,7 @@ import pytest
 from hypothesis import HealthCheck, Phase, settings
 
 from _manifest import BY_STEM, DRILLS
+from _paged import release_big_memory
 from _tree import default_tree, tree_path
 from _worker import TIMEOUT, WORKER, tree_module
 
@@ -94,6 +95,10 @@ def pytest_collection_modifyitems(config, items):
 
 def pytest_runtest_setup(item):
     WORKER.budget = TIMEOUT  # each test gets its own time for the learner's code
+
+
+def pytest_runtest_teardown(item):
+    release_big_memory()
 
 
 def pytest_sessionfinish(session):

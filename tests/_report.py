@@ -114,6 +114,7 @@ class Reporter:
                 record["where"] = _where(error, str(item.funcargs.get("tree", "")))
                 record["example"] = "\n".join(getattr(_first_leaf(error), "__notes__", []))
                 record["pitfalls"] = list(getattr(_first_leaf(error), "pitfalls", []))
+                record["undecided"] = list(getattr(_first_leaf(error), "undecided", []))
                 record["stdout"], record["stderr"] = _trim(report.capstdout), _trim(report.capstderr)
             self._write(**record)
 

@@ -113,7 +113,8 @@ def test_l1_diagnosis_names_the_planted_mistake_and_nothing_on_a_right_answer(de
         if not slots_right:
             check_slot_mapping(*inputs, wrong_slots)
         check_kv_write(case)
-    assert pitfall in caught.value.pitfalls
+    # On a GPU a mistake may race (padding tokens all writing slot -1): then it is undecided, not named.
+    assert pitfall in caught.value.pitfalls or pitfall in caught.value.undecided
     # any other pitfall it names must give exactly the same output here
     for other in caught.value.pitfalls:
         assert other == pitfall or other in _equivalent(pitfall, case, inputs)

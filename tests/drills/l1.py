@@ -222,7 +222,7 @@ def check_slot_mapping(block_table, seq_idx, positions, block_size, got):
     b, p = int(seq_idx[t]), int(positions[t])
     logical, offset = p // block_size, p % block_size
     physical = int(block_table[b, logical])
-    names = known_mistakes(DRILL, lambda module: (
+    names, undecided = known_mistakes(DRILL, lambda module: (
         module.slot_mapping(block_table, seq_idx, positions, block_size).cpu().long(),), (got.cpu().long(),))
     first_block_right = all(int(positions[i]) >= block_size for i in wrong)
     error = Mismatch(
@@ -232,7 +232,7 @@ def check_slot_mapping(block_table, seq_idx, positions, block_size, got):
         f"  {len(wrong)} of {len(want)} tokens wrong"
         f"{'; every token in its sequence’s first block is right' if first_block_right else ''} (content/l1.md §4)"
         + describe_mistakes(DRILL, names))
-    error.pitfalls = names
+    error.pitfalls, error.undecided = names, undecided
     raise error
 
 
@@ -246,11 +246,9 @@ def check_kv_write(case):
             raise Mismatch("key/value were modified: reshape_and_cache must only read them\n  " + _describe(case))
     except Mismatch as error:
         _keep_for_picture(case)
-        names = known_mistakes(DRILL, lambda module: _rerun_kv_write(module, case),
-                               (case.k_cache.storage, case.v_cache.storage))
-        mismatch = Mismatch(str(error) + describe_mistakes(DRILL, names))
-        mismatch.pitfalls = names
-        raise mismatch from None
+        names, undecided = known_mistakes(DRILL, lambda module: _rerun_kv_write(module, case),
+                                          (case.k_cache.storage, case.v_cache.storage))
+        raise Mismatch(str(error) + describe_mistakes(DRILL, names), names, undecided) from None
 
 
 def _keep_for_picture(case):
