@@ -27,9 +27,10 @@ SECTION = "content/f1.md §9"
 # ---------------------------------------------------------------------------
 
 
-def name_pitfalls(error, names):
-    """The Mismatch with 'looks like' lines for the matched pitfalls, and naming them."""
-    return Mismatch(str(error) + describe_mistakes(DRILL, names), names)
+def name_pitfalls(error, names, undecided=()):
+    """The Mismatch with 'looks like' lines for the matched pitfalls, naming them; `undecided`:
+    pitfalls whose planted variant races on this input (no evidence either way)."""
+    return Mismatch(str(error) + describe_mistakes(DRILL, names), names, undecided)
 
 
 # ---------------------------------------------------------------------------
@@ -317,10 +318,12 @@ def check_csr(block_table, seq_lens, page_size, got, module_call=None):
             break
     if error is None:
         return
-    names = known_mistakes(DRILL, lambda m: tuple(t.cpu() for t in m.block_table_to_csr(block_table, seq_lens,
-                                                                                       page_size)),
-                           tuple(t.cpu() for t in got))
-    raise name_pitfalls(Mismatch(f"{error}\n  block_table={table}, seq_lens={lens}, page_size={page_size}"), names)
+    def outcome(module):
+        return tuple(t.cpu() for t in module.block_table_to_csr(block_table, seq_lens, page_size))
+
+    names, undecided = known_mistakes(DRILL, outcome, tuple(t.cpu() for t in got))
+    error = Mismatch(f"{error}\n  block_table={table}, seq_lens={lens}, page_size={page_size}")
+    raise name_pitfalls(error, names, undecided)
 
 
 def check_batch_indices_positions(append_indptr, seq_lens, nnz, got):
@@ -347,9 +350,11 @@ def check_batch_indices_positions(append_indptr, seq_lens, nnz, got):
     error = Mismatch(f"token {t} should get (batch index, position) = ({b}, {int(want[1][t])}), got "
                      f"({int(gb[t])}, {int(gp[t])}): {why} (content/f1.md §5)\n  {len(wrong)} of {nnz} tokens wrong; "
                      f"append_indptr={indptr}, seq_lens={lens}")
-    names = known_mistakes(DRILL, lambda m: tuple(x.cpu() for x in m.batch_indices_positions(append_indptr, seq_lens,
-                                                                                            nnz)), (gb, gp))
-    raise name_pitfalls(error, names)
+    def outcome(module):
+        return tuple(x.cpu() for x in module.batch_indices_positions(append_indptr, seq_lens, nnz))
+
+    names, undecided = known_mistakes(DRILL, outcome, (gb, gp))
+    raise name_pitfalls(error, names, undecided)
 
 
 def _token(case, t):
@@ -475,8 +480,8 @@ def check_append(case):
     if not findings:
         return
     error = Mismatch("\n  ".join(findings) + "\n  " + case.describe())
-    names = known_mistakes(DRILL, case.rerun, tuple(g.storage for g in case.storages))
-    raise name_pitfalls(error, names)
+    names, undecided = known_mistakes(DRILL, case.rerun, tuple(g.storage for g in case.storages))
+    raise name_pitfalls(error, names, undecided)
 
 
 # ---------------------------------------------------------------------------
