@@ -24,6 +24,7 @@ from pathlib import Path
 
 from _report import read_signed
 from _tree import ROOT
+from _worker import die_with_parent
 
 _CHILDREN = set()  # live process groups, killed on Ctrl-C or SIGTERM
 RESTARTS = 3       # fresh test processes after the test process itself dies
@@ -35,7 +36,7 @@ def run_process(cmd, timeout, env=None, pass_fds=()):
     # One thread per child: the tensors are tiny, and two graders side by side on a
     # 2-core machine would otherwise oversubscribe it several times over.
     proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, stdin=subprocess.DEVNULL,
-                            text=True, start_new_session=True, pass_fds=pass_fds,
+                            text=True, start_new_session=True, pass_fds=pass_fds, preexec_fn=die_with_parent,
                             env={"OMP_NUM_THREADS": "1", **os.environ, **(env or {})})
     _CHILDREN.add(proc.pid)
     try:

@@ -155,9 +155,7 @@ class TreeModule:
         self._tree, self._stem = str(tree), stem
 
     def __getattr__(self, name):
-        # A drill's public names never start with "_"; private ones (hypothesis asks for
-        # `_repr_pretty_` when it prints a failing example) are not the learner's to answer.
-        if name.startswith("_"):
+        if name.startswith("_"):  # a drill's API is public; hypothesis asks for _repr_pretty_
             raise AttributeError(name)
 
         def call(*args, **kwargs):
@@ -224,7 +222,7 @@ def _by_reference(obj, flat):
 
 
 def _serve(conn, path):
-    _die_with_parent()
+    die_with_parent()
     sys.path[:] = path
     import _env  # noqa: F401  -- the same CPU-interpreter-or-GPU decision as the test process
     from _tree import load_drill
@@ -274,8 +272,9 @@ def _where(error, tree):
     return f"{frames[-1].filename}:{frames[-1].lineno}: {frames[-1].line}" if frames else None
 
 
-def _die_with_parent():
-    """Ask Linux to kill this process when the test process dies (Ctrl-C, a grader's kill)."""
+def die_with_parent():
+    """Ask Linux to kill this process when its parent dies (Ctrl-C, a grader's kill, the
+    out-of-memory killer), so nothing the grade started outlives it."""
     try:
         ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
     except (OSError, AttributeError):

@@ -4,7 +4,7 @@ fails a test because of a fixture."""
 import torch
 
 from _paged import changed, never_written, poisoned_out, snapshot
-from drills import f1, l1, l2
+from drills import f1, l1, l2, l4
 
 
 def test_l1_worked_example_gets_the_pages_slots(device):
@@ -81,3 +81,43 @@ def test_f1_pages_come_from_a_shuffled_pool_and_kv_indices_is_guarded(device):
     assert pages != sorted(pages) or len(pages) < 3  # a logical page is not its physical page
     guard = case.kv_indices.new_empty(0).set_(case.kv_indices.untyped_storage()).tolist()[len(pages):]
     assert len(guard) == f1.GUARD and set(guard) <= set(case.spare_pages)
+
+
+def test_l4_fused_qkv_query_is_a_strided_view(device):
+    assert not l4.split_case([9, 70], layout="fused_qkv", num_splits=2, seed=15, device=device).query.is_contiguous()
+
+
+def test_l4_empty_merge_sides_hold_garbage(device):
+    case = l4.merge_case(rows=3, heads=2, head_size=8, empty_a=1.0, device=device, seed=7)
+    assert bool(torch.isinf(case.s_a).all()) and bool(torch.isnan(case.v_a).all())
+    assert bool(torch.isfinite(case.s_b).all()) and bool(torch.isfinite(case.v_b).all())
+
+
+def test_l4_empty_chunk_case_separates_short_from_long_sequences():
+    """The empty-split test: sequences shorter than 8 tokens leave chunks empty however a
+    kernel rounds its chunks; 2048 = 8 · 256 leaves none empty under any rounding tried."""
+    for align in (1, 16, 32, 64, 128, 256):
+        assert all(end > start for start, end in l4.chunk_bounds(2048, 8, align))
+        assert all(any(end <= start for start, end in l4.chunk_bounds(n, 8, align)) for n in (1, 3))
+
+
+def test_l4_spread_chunks_make_the_chunk_lses_differ(device):
+    case = l4.spread_chunks(l4.split_case([200, 150], num_splits=4, seed=7, device=device))
+    for scores, values in case.scores_values():
+        lse = torch.stack([s for _, s, _ in l4.chunk_states(scores, values, l4.chunk_bounds(scores.shape[1], 4, 64))])
+        assert float((lse.max(0).values - lse.min(0).values).min()) > 1.0
+
+
+def test_l4_last_tokens_score_highest(device):
+    case = l4.last_tokens_score_highest(l4.split_case([256, 200], num_splits=4, seed=9, device=device))
+    group = case.query.shape[1] // case.k_cache.shape[2]
+    for scores, _ in case.scores_values():
+        assert bool((scores[::group].argmax(dim=1) >= scores.shape[1] - 8).all())
+
+
+def test_l4_worked_example_case_is_the_pages_row(device):
+    case = l4.merge_example_case(device)
+    scores, values = case.scores_values()[0]
+    assert scores.flatten().tolist() == l4.MERGE_EXAMPLE["scores"]
+    assert values.flatten().tolist() == l4.MERGE_EXAMPLE["values"]
+

@@ -1,0 +1,118 @@
+"""L4: split-KV ("flash decoding") decode attention with a log-sum-exp merge
+(vLLM paged attention v2 / unified attention's 3-D path, FlashInfer merge_state).
+
+Read content/l4.md first. Replace each `raise NotImplementedError` with your code;
+`make grade` tells you how far you are and what is still wrong. L2's kernel is
+your starting point for phase 1.
+"""
+import math
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+# Triton's CPU interpreter computes tl.dot on bfloat16 wrongly (it multiplies the
+# raw bits; triton-lang/triton#11584), so there the kernel widens K, V and q to
+# fp32 first. On a GPU they stay 16-bit and go through the tensor cores.
+_INTERPRET = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+CPU_NUM_SPLITS = 4  # num_splits=None on the CPU: small, but enough to exercise the merge
+
+
+@triton.jit
+def merge_states_kernel(
+    out_ptr, out_lse_ptr, parts_ptr, lse_ptr,
+    out_stride,                # elements from one row of out to the next (the caller may own out)
+    NUM_HEADS,
+    NUM_PARTS: tl.constexpr,   # parts merged per (row, head)
+    PARTS_PAD: tl.constexpr,   # NUM_PARTS rounded up to a power of two
+    HEAD_SIZE: tl.constexpr,   # D
+    D_PAD: tl.constexpr,       # D rounded up to a power of two
+):
+    """One program per (row, head): merge NUM_PARTS partial results into one.
+
+    parts is [rows, H, NUM_PARTS, D] and lse [rows, H, NUM_PARTS], both contiguous
+    fp32; each part is (v, s) with s the natural-log log-sum-exp of its scores and
+    s = -inf for an empty part (whose v may be garbage, NaN included). Store the
+    merged v (out's dtype) at out_ptr + row * out_stride + head * D and the merged
+    s at out_lse_ptr + row * H + head. Two or more empty parts give v = 0, s = -inf.
+    """
+    # TODO(l4): load the parts' s (masked past NUM_PARTS with -inf), shift by their
+    # max (0 when every part is empty), weights w = exp(s - max); load the parts'
+    # v, keep only those with w > 0, sum w * v over the parts and divide by the
+    # sum of w (not by 0); the merged s is max + log(sum of w) (content/l4.md §3, §4).
+    raise NotImplementedError("merge_states_kernel is not written yet: see content/l4.md §3 and §4")
+
+
+def merge_attention_states(v_a, s_a, v_b, s_b):
+    """Merge two partial attention results over disjoint sets of keys: v_* [n, H, D]
+    (any float dtype), s_* [n, H] float32 log-sum-exps in natural log (s = -inf: an
+    empty set). Returns (v in v_a's dtype, s float32), computed in fp32.
+
+    Merging with an empty side returns the other side unchanged, even when the
+    empty side's v is garbage; two empty sides give v = 0, s = -inf, never NaN.
+    Raise ValueError, naming the argument, for mismatched shapes, a non-float v,
+    s that is not float32, or tensors on different devices.
+    """
+    # TODO(l4): check the inputs (content/l4.md §6), then merge the two sides,
+    # either in plain PyTorch or with merge_states_kernel on the two parts side
+    # by side in fp32 (content/l4.md §3, §4).
+    raise NotImplementedError("merge_attention_states is not written yet: see content/l4.md §3 and §4")
+
+
+@triton.jit
+def split_kv_kernel(
+    out_ptr, parts_ptr, lse_ptr, query_ptr, k_cache_ptr, v_cache_ptr, block_table_ptr, seq_lens_ptr,
+    qk_scale,                  # scale * log2(e): scores in base 2, so exp2 does the softmax
+    query_stride,              # elements from one sequence's query row to the next
+    out_stride,                # the same for out
+    table_stride,              # elements from one block-table row to the next
+    NUM_HEADS, NUM_KV_HEADS, NUM_SPLITS,
+    BLOCK_SIZE: tl.constexpr,  # tokens per cache block
+    HEAD_SIZE: tl.constexpr,   # D
+    GROUP: tl.constexpr,       # query heads per KV head: NUM_HEADS // NUM_KV_HEADS
+    GROUP_PAD: tl.constexpr,   # GROUP rounded up to a power of two >= 16 (tl.dot's minimum)
+    D_PAD: tl.constexpr,       # D rounded up to a power of two >= 16
+    TILE: tl.constexpr,        # tokens per iteration: several blocks at once
+    UPCAST: tl.constexpr,      # interpreter + bfloat16: see _INTERPRET above
+    DIRECT: tl.constexpr,      # NUM_SPLITS == 1: write the answer to out, no phase 2
+):
+    """Phase 1. One program per (sequence, KV head, split): the GROUP query heads
+    of that KV head attend to one contiguous chunk of the sequence, L2-style.
+
+    The chunk is this sequence's own seq_len cut into NUM_SPLITS pieces of whole
+    tiles; a chunk that starts past seq_len is empty. Store the chunk's normalised
+    output (fp32) in parts [B, H_q, NUM_SPLITS, D] and its natural-log LSE in
+    lse [B, H_q, NUM_SPLITS]; an empty chunk stores v = 0 and LSE = -inf, never
+    NaN. With DIRECT, write the (only) chunk's output straight into out instead.
+    """
+    # TODO(l4): this program's chunk [start, end) (content/l4.md §5), then L2's
+    # loop over it; at the end part = acc / l (guarding l = 0) and
+    # lse = m + log(l), in natural log whatever base the loop used (§3, §4, §5).
+    raise NotImplementedError("split_kv_kernel is not written yet: see content/l4.md §5")
+
+
+def default_num_splits(num_seqs, num_kv_heads, device):
+    """The split count paged_decode_attention_split uses when num_splits is None:
+    on a GPU, from the batch, the KV heads and the SM count (content/l4.md §5);
+    on the CPU, CPU_NUM_SPLITS."""
+    # TODO(l4): enough (sequence, KV head, split) programs to keep every SM busy,
+    # one split when the batch alone does, a cap on the count (content/l4.md §5).
+    raise NotImplementedError("default_num_splits is not written yet: see content/l4.md §5")
+
+
+def paged_decode_attention_split(query, k_cache, v_cache, block_table, seq_lens, scale=None, num_splits=None,
+                                 out=None):
+    """L2's paged decode attention, split over the context: returns [B, H_q, D]
+    (written into `out` when given). Phase 1 attends each of num_splits chunks of
+    every sequence separately; phase 2 merges the chunks by their log-sum-exps.
+
+    Inputs as L2's paged_decode_attention; num_splits=None picks a count
+    (default_num_splits). Raise ValueError, naming the argument and the fix, for
+    num_splits < 1 (or not a whole number), an `out` of the wrong shape, dtype or
+    device, and every input L2 refuses (content/l4.md §6).
+    """
+    # TODO(l4): check the inputs, pick num_splits, allocate out and the fp32
+    # partial buffers, launch phase 1 on (B, H_kv, num_splits) and phase 2 on
+    # (B, H_q); return out (content/l4.md §5, §6).
+    raise NotImplementedError("paged_decode_attention_split is not written yet: see content/l4.md §5 and §6")
