@@ -138,7 +138,7 @@ def _bench_table(console, grade):
     console.print(f"[bold]bandwidth[/] · copy ceiling {grade['ceiling_gbps']:.0f} GB/s "
                   f"(1 GiB device-to-device copy, measured here)")
     table = Table(header_style="bold", box=None, padding=(0, 2))
-    for column in ("drill", "case", "µs", "GB/s", "of ceiling", "tier", "baseline", "its GB/s", "ours is"):
+    for column in ("drill", "case", "µs", "rate", "of ceiling", "tier", "baseline", "its rate", "ours is"):
         table.add_column(column, justify="right" if column not in ("drill", "case", "tier", "baseline") else "left")
     for s in grade["drills"]:
         bench = s.get("bench")
@@ -149,12 +149,14 @@ def _bench_table(console, grade):
             continue
         for case in bench["cases"]:
             ours = case["ours"]
+            rate, unit = ("tflops", "TFLOP/s") if case.get("compute_bound") else ("gbps", "GB/s")
             for i, (name, base) in enumerate(case["baselines"].items()):
                 first = i == 0
                 table.add_row(s["id"].upper() if first else "", case["name"] if first else "",
-                              f"{ours['us']:.1f}" if first else "", f"{ours['gbps']:.0f}" if first else "",
-                              f"{100 * ours['of_ceiling']:.1f} %" if first else "", case["tier"] if first else "",
-                              name, f"{base['gbps']:.0f}", f"{base['us'] / ours['us']:.2f}× faster")
+                              f"{ours['us']:.1f}" if first else "", f"{ours[rate]:.0f} {unit}" if first else "",
+                              "" if not first or case.get("compute_bound") else f"{100 * ours['of_ceiling']:.1f} %",
+                              case["tier"] if first else "", name, f"{base[rate]:.0f} {unit}",
+                              f"{base['us'] / ours['us']:.2f}× faster")
     console.print(table)
 
 

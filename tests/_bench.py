@@ -10,7 +10,8 @@ grader.py runs it in a process of its own (`in_subprocess`, `ceiling_in_subproce
 - every time is a median after warm-up; ops under ~100 us are timed as CUDA-graph
   replays (launch gaps would dominate), longer ones with events;
 - inputs rotate over enough independent sets that the L2 cache cannot hold them;
-- GB/s counts the fewest bytes the op must move (the manifest's `bytes`).
+- GB/s counts the fewest bytes the op must move (the manifest's `bytes`); a case whose
+  FLOPs per byte put it past the ridge (prefill) is shown in TFLOP/s instead.
 """
 import argparse
 import json
@@ -25,6 +26,9 @@ from _manifest import drill as find_drill
 from _tree import load_drill
 
 TIERS = ((0.90, "at the roofline"), (0.75, "good"), (0.50, "fair"), (0.0, "slow"))
+# FLOPs per byte above which a case is bound by arithmetic, not memory: an H200 does about
+# 790 TFLOP/s of 16-bit matrix work against 4.3 TB/s, a ridge near 180; prefill sits far above.
+COMPUTE_BOUND = 100
 
 
 def copy_ceiling_gbps(nbytes=1 << 30):
@@ -60,10 +64,13 @@ def bench_drill(drill_id, tree, ceiling):
             ms, how = median_ms(fn, graph)
             us = ms * 1e3 / n_sets
             gbps = case.bytes / us / 1e3
-            return dict(us=round(us, 2), gbps=round(gbps, 1), of_ceiling=round(gbps / ceiling, 4), timing=how)
+            return dict(us=round(us, 2), gbps=round(gbps, 1), of_ceiling=round(gbps / ceiling, 4),
+                        tflops=round(case.flops / us / 1e6, 1), timing=how)
 
-        result = dict(name=case.name, params=case.params, bytes=case.bytes, sets=n_sets, ours=row(ours, case.graph))
-        result["tier"] = tier(result["ours"]["of_ceiling"])
+        result = dict(name=case.name, params=case.params, bytes=case.bytes, flops=case.flops, sets=n_sets,
+                      compute_bound=case.flops > COMPUTE_BOUND * case.bytes, ours=row(ours, case.graph))
+        # A compute-bound case is judged against the fastest baseline, not the copy ceiling.
+        result["tier"] = "compute-bound" if result["compute_bound"] else tier(result["ours"]["of_ceiling"])
         result["baselines"] = {name: row(fn, case.graph and graph_safe) for name, (fn, graph_safe) in baselines.items()}
         cases.append(result)
         del ours, baselines

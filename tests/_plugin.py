@@ -16,7 +16,7 @@ from hypothesis import HealthCheck, Phase, settings
 from _manifest import BY_STEM, DRILLS
 from _paged import release_big_memory
 from _tree import default_tree, tree_path
-from _worker import TIMEOUT, WORKER, tree_module
+from _worker import reset_all, stop_all, tree_module
 
 # Under the CPU interpreter every Triton program runs in Python: few, small examples.
 _common = dict(deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
@@ -94,7 +94,7 @@ def pytest_collection_modifyitems(config, items):
 
 
 def pytest_runtest_setup(item):
-    WORKER.budget = TIMEOUT  # each test gets its own time for the learner's code
+    reset_all()  # each test gets its own time for the learner's code (and the planted variants')
 
 
 def pytest_runtest_teardown(item):
@@ -102,7 +102,7 @@ def pytest_runtest_teardown(item):
 
 
 def pytest_sessionfinish(session):
-    WORKER.stop()
+    stop_all()
 
 
 @pytest.fixture(scope="session")

@@ -63,6 +63,7 @@ class Worker:
         self.proc = None
         self.conn = None
         self.budget = TIMEOUT  # seconds left to the current test (reset per test by the plugin)
+        WORKERS.append(self)
 
     def start(self):
         ctx = mp.get_context("spawn")
@@ -150,22 +151,33 @@ class Worker:
         return f"exit code {code}"
 
 
-WORKER = Worker()
+WORKERS = []        # every worker of this process, for the plugin's per-test reset and stop
+WORKER = Worker()   # runs the learner's module
+
+
+def reset_all(budget=TIMEOUT):
+    for worker in WORKERS:
+        worker.budget = budget
+
+
+def stop_all():
+    for worker in WORKERS:
+        worker.stop()
 
 
 class TreeModule:
     """What the `drill` fixture hands a test: the drill module of one tree, every
-    attribute a function that runs in the worker."""
+    attribute a function that runs in a worker (by default the learner's)."""
 
-    def __init__(self, tree, stem):
-        self._tree, self._stem = str(tree), stem
+    def __init__(self, tree, stem, worker=None):
+        self._tree, self._stem, self._worker = str(tree), stem, worker or WORKER
 
     def __getattr__(self, name):
         if name.startswith("_"):  # a drill's API is public; hypothesis asks for _repr_pretty_
             raise AttributeError(name)
 
         def call(*args, **kwargs):
-            return WORKER.call(self._tree, self._stem, name, args, kwargs)
+            return self._worker.call(self._tree, self._stem, name, args, kwargs)
         call.__name__ = name
         return call
 

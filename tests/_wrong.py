@@ -6,17 +6,21 @@ replacement) edits of solutions/<stem>.py. Keeping edits instead of whole copies
 means a change to the reference carries over to every variant, and an edit that
 no longer applies fails loudly instead of silently testing nothing.
 
-The diagnosis runs these variants (trusted code, in the test process) on a
-learner's failing input; tests/test_wrong.py grades each one.
+The diagnosis runs these variants on a learner's failing input, in a worker
+process of their own (not the learner's, which could tamper with them): a variant
+may index out of range or write far outside a tensor on that input, and on a GPU
+that kills the process's CUDA context. tests/test_wrong.py grades each one.
 """
 import atexit
 import shutil
 import tempfile
 from pathlib import Path
 
-from _tree import ROOT, load_drill
+from _tree import ROOT
+from _worker import TreeModule, Worker
 
 _FOLDER = None  # where this process plants the variants it loads; removed at exit
+_VARIANTS = Worker()  # runs them
 
 
 def edits_of(drill, name):
@@ -44,7 +48,7 @@ def plant_edits(drill, edits, folder, name="edits"):
 
 
 def variant(drill, name):
-    """The module of the reference with `name` planted, loaded once per process."""
+    """The module of the reference with `name` planted, run in the variants' worker."""
     global _FOLDER
     if _FOLDER is None:
         _FOLDER = Path(tempfile.mkdtemp(prefix="drills-wrong-"))
@@ -52,4 +56,4 @@ def variant(drill, name):
     folder = _FOLDER / drill.id / name
     if not (folder / f"{drill.stem}.py").exists():
         plant(drill, name, folder)
-    return load_drill(str(folder), drill.stem)
+    return TreeModule(folder, drill.stem, _VARIANTS)

@@ -4,7 +4,7 @@ fails a test because of a fixture."""
 import torch
 
 from _paged import changed, never_written, poisoned_out, snapshot
-from drills import l1, l2, l4
+from drills import f1, l1, l2, l4
 
 
 def test_l1_worked_example_gets_the_pages_slots(device):
@@ -54,6 +54,33 @@ def test_poisoned_out_is_nan_inside_and_noise_around(device):
     before = snapshot(out.view)
     out.storage[-1] = 0
     assert changed(before) == [0]  # a write past the view shows as a change of its storage
+
+
+def test_f1_worked_example_puts_each_token_in_the_pages_place(device):
+    ex = f1.WORKED_EXAMPLE
+    for layout in ("NHD", "HND"):
+        case = f1.worked_example_case(device, layout)
+        assert case.places() == list(zip(ex["pages"], ex["entries"]))
+        assert [case.kv_indptr.tolist(), case.kv_indices.tolist(), case.kv_last_page_len.tolist()] == [
+            ex["kv_indptr"], ex["kv_indices"], ex["kv_last_page_len"]]
+
+
+def test_f1_padding_tokens_get_batch_index_minus_one(device):
+    case = f1.append_case([2, 5], [3, 1], 4, num_heads=2, head_size=8, padding=3, device=device)
+    assert case.batch_indices.tolist()[-3:] == [-1, -1, -1] and int((case.batch_indices < 0).sum()) == 3
+
+
+def test_f1_fused_qkv_rows_are_strided_views(device):
+    case = f1.append_case([1, 6], [3, 2], 4, num_heads=2, head_size=8, rows="fused_qkv", device=device)
+    assert case.key.stride(0) == case.value.stride(0) == 3 * 2 * 8
+
+
+def test_f1_pages_come_from_a_shuffled_pool_and_kv_indices_is_guarded(device):
+    case = f1.append_case([9, 0, 13], [3, 2, 1], 4, num_heads=1, head_size=2, spare_pages=2, device=device)
+    pages = case.kv_indices.tolist()
+    assert pages != sorted(pages) or len(pages) < 3  # a logical page is not its physical page
+    guard = case.kv_indices.new_empty(0).set_(case.kv_indices.untyped_storage()).tolist()[len(pages):]
+    assert len(guard) == f1.GUARD and set(guard) <= set(case.spare_pages)
 
 
 def test_l4_fused_qkv_query_is_a_strided_view(device):

@@ -17,6 +17,7 @@ from _diagnose import Mismatch, explain_error
 from _manifest import DRILLS
 from _tree import ROOT, load_drill
 from _worker import TreeModule
+from drills.f1 import append_params as f1_append_params
 from drills.l1 import _rerun_kv_write, check_kv_write, check_slot_mapping, kv_write_params, random_kv_write_case
 
 CASES = [(d, name) for d in DRILLS for name in (*d.pitfalls, *d.mistakes)]
@@ -167,6 +168,42 @@ def test_l2_diagnosis_never_names_a_pitfall_a_random_slip_is_not(tmp_path, devic
                 theirs = _wrong.variant(L2, name).paged_decode_attention(*case.args(), **case.kwargs())
                 assert torch.allclose(out.float(), theirs.float(), atol=2e-3, rtol=2e-3, equal_nan=True), (
                     f"slip {new!r} was named {name}, whose output differs: {error}")
+
+
+F1 = next(d for d in DRILLS if d.id == "f1")
+
+
+@settings(max_examples=15)  # each example runs up to eight kernels
+@given(params=f1_append_params(), pitfall=st.sampled_from(sorted(set(F1.pitfalls) - {"int32_offsets"})))
+def test_f1_diagnosis_names_the_planted_mistake_and_nothing_on_a_right_answer(device, params, pitfall):
+    """int32_offsets needs a cache past 2**31 elements; its own test covers it."""
+    from drills.f1 import append_case, check_append, check_batch_indices_positions, check_csr
+
+    case = append_case(**params, device=device)
+    right = load_drill("solutions", F1.stem)
+    right.append_paged_kv_cache(*case.args())
+    check_append(case)  # a right answer: no Mismatch, so no pitfall named
+
+    case = append_case(**params, device=device)
+    wrong = _wrong.variant(F1, pitfall)
+    nnz = case.key.shape[0]
+    csr = (case.block_table, case.seq_lens, case.page_size)
+    positions = (case.append_indptr, case.seq_lens, nnz)
+    got_csr, got_positions = wrong.block_table_to_csr(*csr), wrong.batch_indices_positions(*positions)
+    csr_right = all(torch.equal(a, b) for a, b in zip(got_csr, right.block_table_to_csr(*csr)))
+    positions_right = all(torch.equal(a, b) for a, b in zip(got_positions, right.batch_indices_positions(*positions)))
+    wrong.append_paged_kv_cache(*case.args())
+    writes_right = all(torch.equal(g.storage.cpu(), w) for g, w in zip(case.storages, case.expected()))
+    assume(not (csr_right and positions_right and writes_right))  # on this input the mistake changes nothing
+    # Programs that write one place (last_page_len_as_position) race on a GPU: no evidence then.
+    assume(all(torch.equal(a.cpu(), g.storage.cpu()) for a, g in zip(case.rerun(wrong), case.storages)))
+    with pytest.raises(Mismatch) as caught:
+        if not csr_right:
+            check_csr(*csr, got_csr)
+        if not positions_right:
+            check_batch_indices_positions(*positions, got_positions)
+        check_append(case)
+    assert caught.value.pitfalls == [pitfall], f"{pitfall} planted, {caught.value.pitfalls} named: {caught.value}"
 
 
 # --- errors a learner meets are explained ------------------------------------

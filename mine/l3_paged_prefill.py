@@ -1,0 +1,76 @@
+"""L3: chunked-prefill attention over a paged KV cache (vLLM unified attention, 2-D path).
+
+Read content/l3.md first. Replace each `raise NotImplementedError` with your code;
+`make grade` tells you how far you are and what is still wrong.
+"""
+import math
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+# Triton's CPU interpreter computes tl.dot on bfloat16 wrongly (it multiplies the
+# raw bits; triton-lang/triton#11584), so there the kernel widens q, K and V to
+# fp32 first. On a GPU they stay 16-bit and go through the tensor cores.
+_INTERPRET = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+LOG2E = 1.4426950408889634  # log2(e): exp(x) = exp2(x * LOG2E)
+
+
+@triton.jit
+def paged_prefill_kernel(
+    out_ptr, query_ptr, k_cache_ptr, v_cache_ptr, block_table_ptr, query_start_loc_ptr, seq_lens_ptr,
+    scale_log2,                # scale * log2(e): scores in base 2, so exp2 is exact softmax
+    num_seqs,
+    query_stride, out_stride,  # elements from one token's [H_q, D] row to the next
+    table_stride,              # elements from one block-table row to the next
+    NUM_KV_HEADS,
+    BLOCK_SIZE: tl.constexpr,  # tokens per cache block
+    HEAD_SIZE: tl.constexpr,   # D
+    D_PAD: tl.constexpr,       # D rounded up to a power of two >= 16
+    GROUP: tl.constexpr,       # query heads per KV head
+    BLOCK_Q: tl.constexpr,     # query positions per program
+    BLOCK_M: tl.constexpr,     # tile rows: BLOCK_Q * GROUP rounded up to a power of two
+    TILE: tl.constexpr,        # keys per iteration
+    UPCAST: tl.constexpr,      # interpreter + bfloat16: see _INTERPRET above
+):
+    """One program per (KV head, query block): BLOCK_Q queries of one sequence's chunk,
+    times the GROUP query heads of that KV head, as the BLOCK_M rows of one tile.
+
+    Find the program's sequence from query_start_loc (sequence b's query blocks are
+    numbered from query_start_loc[b] // BLOCK_Q + b on; spare programs return).
+    Query i of a chunk sits at position seq_len - q_len + i and sees keys 0..its
+    position (bottom-right causal). Gather K/V TILE keys at a time through the
+    block table, never reading a block-table entry past the sequence's last block;
+    keep an fp32 online softmax per row that never turns a row with no visible key
+    into NaN; store only the live rows.
+    """
+    # TODO(l3): the program's KV head, query block and sequence (content/l3.md §4);
+    # the tile's rows, their positions and the q tile (§4, §5); then the loop over
+    # key tiles: block-table gather, scores with tl.dot, the causal mask, the
+    # online-softmax update (§5); last, acc / l stored for the live rows only.
+    raise NotImplementedError("paged_prefill_kernel is not written yet: see content/l3.md §4 and §5")
+
+
+def paged_prefill_attention(query, k_cache, v_cache, block_table, query_start_loc, seq_lens, scale=None,
+                            out=None):
+    """Causal attention of every query chunk over its sequence's paged K/V; returns
+    [total_q, H_q, D] (written into `out` when given, as vLLM lets the caller own it).
+
+    query [total_q, H_q, D]: the chunks of all sequences one after another; a
+    row-strided view is fine, each token's [H_q, D] must be contiguous.
+    k_cache/v_cache [num_blocks, block_size, H_kv, D], contiguous, H_q a multiple
+    of H_kv. block_table [B, max_blocks]; query_start_loc [B + 1], 0 first, the
+    running sum of the chunk lengths; seq_lens [B], each sequence's whole context,
+    its chunk included (that K/V is already in the cache). All int32 or int64.
+    scale=None means 1/sqrt(D). `out`, if given, has the query's shape and dtype
+    with contiguous rows; it is written and returned. Raise ValueError, naming the
+    argument and the fix, for mismatched shapes, dtypes or devices, a
+    non-contiguous cache, and (on the CPU) query_start_loc not starting at 0 or not
+    non-decreasing, q_len > seq_len, seq_lens past the block table, blocks outside
+    the cache.
+    """
+    # TODO(l3): check the inputs (content/l3.md §6), allocate out if needed, pick
+    # BLOCK_Q from the group, and launch a grid of (H_kv, total_q // BLOCK_Q + B)
+    # programs (§4, §6).
+    raise NotImplementedError("paged_prefill_attention is not written yet: see content/l3.md §4 and §6")
