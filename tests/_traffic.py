@@ -259,9 +259,9 @@ def measure(module, name, *args, **kwargs):
     """module.name(*args, **kwargs) under measurement: (result, Traffic or None on a GPU).
     `module` is what the `drill` fixture gives (a worker proxy: the counting happens in
     the worker, where the learner's code runs) or an imported module."""
-    from _worker import TreeModule, WORKER, _tensors
+    from _worker import TreeModule, _tensors
     if isinstance(module, TreeModule):
-        return WORKER.call(module._tree, module._stem, name, args, kwargs, traffic=True)
+        return module._worker.call(module._tree, module._stem, name, args, kwargs, traffic=True)
     return measure_here(getattr(module, name), _tensors((args, kwargs)), *args, **kwargs)
 
 
