@@ -13,7 +13,7 @@ from hypothesis import Phase, given, settings
 
 from _diagnose import Mismatch, expect_value_error
 from _paged import caches_past_int32, changed, snapshot
-from drills.l3 import (SECTION, PrefillCase, check_paged_prefill, example_case, example_outputs, paged_prefill_case,
+from drills.l3 import (SECTION, PrefillCase, check_paged_prefill, check_table_read_only_to_last_block, example_case, example_outputs, paged_prefill_case,
                        prefill_params)
 
 ALL_DTYPES = [torch.float16, torch.bfloat16, torch.float32]
@@ -111,6 +111,16 @@ def test_causal_boundary_just_past_a_tile_edge(drill, device, group):
     edge (position + 2 a multiple of 16, 32, 64): the key right after it is the first one
     it must not see, and a mask-free tile that runs one key too far lets it in."""
     run(drill, _case(device, [5, 17, 3, 1], [62, 30, 14, 46], num_heads=2 * group, num_kv_heads=2, seed=17))
+
+
+def test_block_table_past_last_block_is_not_even_loaded(drill, device):
+    """design.md: the entries past a sequence's last block are garbage, so not even loaded,
+    even when the K/V loads are masked so that the answer comes out right. Counted under
+    the CPU interpreter (tests/_traffic.py)."""
+    # Blocks of 4 tokens: a tile of keys spans several, so one reaching past seq_len meets garbage columns.
+    if not check_table_read_only_to_last_block(drill, _case(device, [3, 20, 1], [2, 30, 47], block_size=4,
+                                                            extra_columns=3, seed=6)):
+        pytest.skip("reads are counted only under the CPU interpreter")
 
 
 def test_decode_only_batch_is_l2(drill, device):

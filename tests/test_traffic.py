@@ -15,7 +15,7 @@ from _worker import WORKER, tree_module
 
 pytestmark = pytest.mark.skipif(not _env.INTERPRET, reason="bytes are counted only under the CPU interpreter")
 
-L1, L2, L4 = find_drill("l1"), find_drill("l2"), find_drill("l4")
+L1, L2, L3, L4, F1 = (find_drill(d) for d in ("l1", "l2", "l3", "l4", "f1"))
 
 
 @triton.jit
@@ -101,8 +101,9 @@ def test_loads_routed_around_the_hook_fail_loudly_not_as_zero_bytes(monkeypatch)
 # --- the references: the fewest bytes their pages count -----------------------------
 
 
-@pytest.mark.parametrize("entry", [L1, L2, L4], ids=lambda d: d.id)
+@pytest.mark.parametrize("entry", [L1, L2, L3, L4, F1], ids=lambda d: d.id)
 def test_the_reference_moves_the_fewest_bytes(entry):
+    assert entry.traffic is not None, f"{entry.id} has no traffic case"
     """On the drill's traffic case (its bench case shrunk), the reference loads and stores
     at most 1.05× what the bandwidth report counts, and nothing to explain."""
     result = entry.traffic(tree_module("solutions", entry.stem))
@@ -172,6 +173,26 @@ def test_l1_test_fails_a_kernel_that_reads_padding_rows(tmp_path):
     with pytest.raises(Mismatch, match="padding token") as caught:
         check_padding_not_read(_planted(L1, L1_PADDING_READ, tmp_path), case)
     assert caught.value.pitfalls == ["padding_written"]
+
+
+@pytest.mark.parametrize("entry,edit,call", [
+    (L3, ("key // BLOCK_SIZE, mask=key_live, other=0)", "key // BLOCK_SIZE, mask=key < table_stride * BLOCK_SIZE, "
+                                                          "other=0)"), "l3"),
+    (L4, L2_WHOLE_ROW[0], "l4")], ids=["l3", "l4"])
+def test_l3_and_l4_loading_the_whole_table_row_fail_their_test(tmp_path, entry, edit, call):
+    from importlib import import_module
+
+    from _diagnose import Mismatch
+    module = import_module(f"drills.{call}")
+    case = (module.paged_prefill_case([3, 20, 1], [2, 30, 47], num_heads=8, num_kv_heads=2, head_size=16,
+                                      block_size=4, extra_columns=3, seed=6) if call == "l3"
+            else module.split_case([5, 17, 40, 70], num_splits=3, extra_columns=3, seed=6))
+    module.check_table_read_only_to_last_block(tree_module("solutions", entry.stem), case)  # the reference passes
+    case = (module.paged_prefill_case([3, 20, 1], [2, 30, 47], num_heads=8, num_kv_heads=2, head_size=16,
+                                      block_size=4, extra_columns=3, seed=6) if call == "l3"
+            else module.split_case([5, 17, 40, 70], num_splits=3, extra_columns=3, seed=6))
+    with pytest.raises(Mismatch, match="was loaded"):
+        module.check_table_read_only_to_last_block(_planted(entry, (edit,), tmp_path), case)
 
 
 def _l2_right(module):
