@@ -854,6 +854,18 @@ def check_bench_numbers(text):
 TEST_SHAPES = dict(max_seqs=4, max_context=40, max_append=6, max_heads=4, head_sizes=(1, 3, 8, 16, 24, 40),
                    page_sizes=(1, 2, 3, 4, 8, 16), max_padding=2)
 
+def check_traffic_line(text):
+    """The traffic line the page shows is what the reference's traffic case gives (run here,
+    in the CPU interpreter; on a GPU there is nothing to count)."""
+    from _tree import load_drill
+    p = TRAFFIC_CASE
+    assert (p["num_requests"], p["new_tokens"], p["num_heads"], p["head_size"]) == (4, 8, 2, 32)
+    assert "4 个请求各追加 8 个 token，H=2、D=32" in text
+    shown = re.search(r"^(F1  loads .*)$", text, re.M).group(1)
+    result = traffic(load_drill("solutions", "f1_csr_page_table"))
+    assert result is None or shown == result["line"], f"the page shows {shown!r}, the reference gives {result['line']!r}"
+
+
 DRILL = Drill(
     id="f1", stem=STEM, title="FlashInfer's CSR page table", mirrors="FlashInfer append_paged_kv_cache",
     api=("block_table_to_csr", "batch_indices_positions", "append_paged_kv_cache_kernel", "append_paged_kv_cache"),
@@ -866,5 +878,5 @@ DRILL = Drill(
     traffic=traffic,
     picture=picture,
     draw_case=draw_case,
-    page_checks=(check_page_example, check_self_tests, check_bench_numbers),
+    page_checks=(check_traffic_line, check_page_example, check_self_tests, check_bench_numbers),
 )

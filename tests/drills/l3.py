@@ -760,6 +760,17 @@ def check_self_test_tiles(text):
 
 # ---------------------------------------------------------------------------
 
+def check_traffic_line(text):
+    """The traffic line the page shows is what the reference's traffic case gives (run here,
+    in the CPU interpreter; on a GPU there is nothing to count)."""
+    from _tree import load_drill
+    p = TRAFFIC_CASE
+    assert (p["num_seqs"], p["q_len"], p["context"]) == (3, 4, 68) and "3 条序列各 4 个新 token，接在 68 个" in text
+    shown = re.search(r"^(L3  loads .*)$", text, re.M).group(1)
+    result = traffic(load_drill("solutions", "l3_paged_prefill"))
+    assert result is None or shown == result["line"], f"the page shows {shown!r}, the reference gives {result['line']!r}"
+
+
 DRILL = Drill(
     id="l3",
     stem="l3_paged_prefill",
@@ -773,6 +784,6 @@ DRILL = Drill(
     bench=BENCH,
     bench_work=bench_work,
     traffic=traffic,
-    page_checks=(check_worked_example, check_bench_flops_and_bytes, check_self_test_positions, check_self_test_grid,
+    page_checks=(check_traffic_line, check_worked_example, check_bench_flops_and_bytes, check_self_test_positions, check_self_test_grid,
                  check_self_test_rows, check_self_test_tiles),
 )
