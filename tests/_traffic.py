@@ -147,7 +147,8 @@ class _Recorder:
                 self._add(t, "scratch")
 
     def access(self, ptrs, mask, element_bytes, store):
-        addresses = np.broadcast_to(np.asarray(ptrs), np.shape(mask))[np.asarray(mask, dtype=bool)]
+        ptrs, mask = np.broadcast_arrays(np.asarray(ptrs), np.asarray(mask, dtype=bool))
+        addresses = ptrs[mask]
         addresses = np.unique(addresses.astype(np.uint64)).astype(np.int64)
         counted = np.zeros(len(addresses), dtype=bool)
         for region in self.regions.values():
@@ -295,7 +296,7 @@ def report(drill_id, traffic, parts, where=()):
     fewest_loads = sum(p.fewest_loaded for p in parts)
     fewest_stores = sum(p.fewest_stored for p in parts)
     # Every byte counts against the op, including bytes outside every tensor.
-    loads = traffic.loaded / fewest_loads
+    loads = traffic.loaded / fewest_loads if fewest_loads else 1.0
     stores = traffic.stored / fewest_stores if fewest_stores else 1.0
     items = [(p.label, _sum(traffic, p.keys, "loaded") / p.fewest_loaded) for p in parts if p.fewest_loaded]
     stored_items = [(p.label, _sum(traffic, p.keys, "stored") / p.fewest_stored) for p in parts if p.fewest_stored]

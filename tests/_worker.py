@@ -265,7 +265,9 @@ def _serve(conn, path):
                     # file could patch the interpreter, tests/_traffic.py or numpy here and
                     # report what it likes, or do its work in PyTorch ops we never see (the
                     # report then says fewer bytes than the op needs). What it cannot do is
-                    # touch the test process's checks: it only chooses the numbers it sends.
+                    # touch the test process's checks: it only chooses the numbers it sends. So a
+                    # file that fakes its counts can pass a forbidden-read test and show a good
+                    # traffic line; the value checks, made in the test process, it cannot pass.
                     import _traffic
                     result, counts = _traffic.measure_here(getattr(module, name), _tensors((args, kwargs)),
                                                            *args, **kwargs)
