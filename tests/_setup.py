@@ -114,7 +114,9 @@ def commands(plan, venv, python, deps, pip_options):
                 pip + deps]
     # PyTorch's index holds torch's own dependencies too, so torch needs no other source
     # (`uv pip install --torch-backend=cpu` would do the same, but takes no mirror).
-    uv = [plan.uv, "pip", "install", "--quiet", "--python", py]
+    # --compile-bytecode: pip writes .pyc files at install, uv only when asked; without them, where
+    # PYTHONDONTWRITEBYTECODE is set (this machine's CI) every `import torch` re-parses it (+4 s here).
+    uv = [plan.uv, "pip", "install", "--quiet", "--compile-bytecode", "--python", py]
     default = [*pip_options, "--index-strategy", "unsafe-best-match"]  # pip's rule: best version over all sources
     return [[plan.uv, "venv", "--quiet", "--seed", "--allow-existing", "--python", python, venv],
             uv + (torch_from or default) + [plan.torch],
