@@ -82,6 +82,8 @@ def decide(*, gpu, torch_spec, torch_index, installer, probe, find_uv):
     probe(url) -> bool: does this index answer; find_uv() -> path or None
     (may bootstrap uv). Neither is called when the answer does not need it.
     """
+    if installer not in ("", "uv", "pip"):
+        raise SystemExit(f"setup: INSTALLER={installer}: use INSTALLER=uv or INSTALLER=pip, or leave it unset")
     if gpu:  # unchanged behaviour: pip, and the system's torch if it has one
         return Plan("gpu", torch_spec or "torch", None, "pip", system_site_packages=True)
     torch = torch_spec or TORCH_PIN
@@ -159,6 +161,7 @@ def find_uv(python=sys.executable, bootstrap=UV_BOOTSTRAP):
     exe = shutil.which("uv") or bootstrap / "bin" / "uv"
     if Path(exe).exists():
         return str(exe)
+    print(f"setup: uv is not on PATH; trying `pip install uv` into {bootstrap}", flush=True)
     result = subprocess.run([python, "-m", "pip", "install", "--quiet", "--target", str(bootstrap), "uv"],
                             capture_output=True, text=True)
     return str(exe) if result.returncode == 0 and Path(exe).exists() else None

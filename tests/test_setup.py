@@ -237,3 +237,8 @@ def test_readme_quotes_the_sizes_setup_prints():
     assert "TORCH_INDEX" in readme
     for size in ("192 MB", "2.5 GB"):
         assert size in readme and size in str(_setup.SIZES), size
+
+
+def test_an_unknown_installer_is_refused():
+    with pytest.raises(SystemExit, match="use INSTALLER=uv or INSTALLER=pip"):
+        plan(installer="conda")
