@@ -101,11 +101,12 @@ def decide(*, gpu, torch_spec, torch_index, installer, probe, find_uv):
     return Plan(path, torch, index, "uv" if uv else "pip", uv)
 
 
-def commands(plan, venv, python, deps, pip_options):
+def commands(plan, venv, python, deps, pip_options, compile_bytecode):
     """The commands that carry out `plan`, as argv lists.
 
     pip_options: pip's own index settings as uv options (uv reads no pip.conf;
     with them "the default index" means the same to both installers).
+    compile_bytecode: have uv write .pyc files at install, as pip always does.
     """
     py = str(Path(venv) / "bin" / "python")
     torch_from = ["--index-url", plan.index] if plan.index else []
@@ -116,9 +117,7 @@ def commands(plan, venv, python, deps, pip_options):
                 pip + deps]
     # PyTorch's index holds torch's own dependencies too, so torch needs no other source
     # (`uv pip install --torch-backend=cpu` would do the same, but takes no mirror).
-    # --compile-bytecode: pip writes .pyc files at install, uv only when asked; without them, where
-    # PYTHONDONTWRITEBYTECODE is set (this machine's CI) every `import torch` re-parses it (+4 s here).
-    uv = [plan.uv, "pip", "install", "--quiet", "--compile-bytecode", "--python", py]
+    uv = [plan.uv, "pip", "install", "--quiet", *(["--compile-bytecode"] if compile_bytecode else []), "--python", py]
     default = [*pip_options, "--index-strategy", "unsafe-best-match"]  # pip's rule: best version over all sources
     return [[plan.uv, "venv", "--quiet", "--seed", "--allow-existing", "--python", python, venv],
             uv + (torch_from or default) + [plan.torch],
@@ -204,7 +203,10 @@ def main():
     print(plan.line(), flush=True)
     options = pip_options() if plan.installer == "uv" else []
     env = dict(os.environ, UV_PYTHON_DOWNLOADS="never")  # the venv's Python is this one, never a download
-    for argv in commands(plan, args.venv, sys.executable, dependencies(), options):
+    # uv writes no .pyc at install; Python writes them at first import, unless PYTHONDONTWRITEBYTECODE
+    # is set (this machine's CI): then, without compiling here, every `import torch` re-parses it (+4 s).
+    compile_bytecode = bool(os.environ.get("PYTHONDONTWRITEBYTECODE"))
+    for argv in commands(plan, args.venv, sys.executable, dependencies(), options, compile_bytecode):
         if args.dry_run:
             print("  " + shlex.join(argv))
         else:

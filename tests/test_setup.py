@@ -104,8 +104,8 @@ def test_the_line_quotes_no_size_for_a_torch_it_was_not_measured_for():
 
 # --- the commands -------------------------------------------------------------------
 
-def run(p, pip_options=()):
-    return commands(p, ".venv", "python3", DEPS, list(pip_options))
+def run(p, pip_options=(), compile_bytecode=True):
+    return commands(p, ".venv", "python3", DEPS, list(pip_options), compile_bytecode)
 
 
 def test_pip_commands_take_only_torch_from_the_chosen_index():
@@ -135,6 +135,10 @@ def test_uv_fallback_uses_the_sources_pip_is_configured_with():
         assert step[:3] == [UV, "pip", "install"] and "--compile-bytecode" in step
         assert "--find-links" in step and "unsafe-best-match" in step
     assert "--index-url" not in torch
+
+
+def test_uv_compiles_bytecode_only_when_asked():
+    assert all("--compile-bytecode" not in step for step in run(plan()[0], compile_bytecode=False))
 
 
 def test_uv_cpu_index_takes_torch_from_it_alone():
