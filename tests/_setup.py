@@ -72,7 +72,8 @@ class Plan:
             what = f"no GPU, {why}: {self.torch} from the default index" + (
                 f": {SIZES['cpu']} if it serves one (this machine's does), {SIZES['cuda']} if it is PyPI"
                 if sized else "")
-        return f"setup: {what}; with {self.installer} [sizes: tests/_setup.py]"
+        source = " [sizes: tests/_setup.py]" if sized and self.path != "gpu" else ""
+        return f"setup: {what}; with {self.installer}{source}"
 
 
 def decide(*, gpu, torch_spec, torch_index, installer, probe, find_uv):
