@@ -18,22 +18,23 @@ TREE   ?= mine
 DRILL  ?=
 TIMEOUT ?=
 
-# Without an NVIDIA GPU a plain `pip install torch` can pull a multi-GB CUDA
-# build: pin a CPU one there. With a GPU, reuse the system's torch if it has one.
-HAVE_GPU := $(shell command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1 && echo 1)
-TORCH    ?= $(if $(HAVE_GPU),torch,torch==2.13.0)
-VENV_ARGS = $(if $(HAVE_GPU),--system-site-packages)
+# Set-up is decided by tests/_setup.py, which prints the path it took. Without an
+# NVIDIA GPU, torch comes from PyTorch's CPU index (a ~192 MB wheel rather than
+# ~2.5 GB of CUDA ones) when it answers within 3 s, else from the default index;
+# with a GPU the venv reuses the system's torch. uv installs when it can be had.
+#   TORCH=spec         another torch requirement
+#   TORCH_INDEX=URL    torch from this index (a mirror); TORCH_INDEX=default: the default index
+#   INSTALLER=pip|uv   force an installer
+TORCH       ?=
+TORCH_INDEX ?=
+INSTALLER   ?=
 
 .PHONY: setup grade test bench diff reset hint show watch doctor clean
 
 setup: $(VENV)/.ready
 
 $(VENV)/.ready: pyproject.toml
-	$(PYTHON) -m venv $(VENV_ARGS) $(VENV)
-	$(PY) -m pip install --quiet "$(TORCH)"
-	$(PY) -c 'import tomllib; print(*tomllib.load(open("pyproject.toml", "rb"))["project"]["dependencies"], sep="\n")' \
-		> $(VENV)/requirements.txt
-	$(PY) -m pip install --quiet -r $(VENV)/requirements.txt
+	TORCH='$(TORCH)' TORCH_INDEX='$(TORCH_INDEX)' INSTALLER='$(INSTALLER)' $(PYTHON) tests/_setup.py --venv $(VENV)
 	touch $@
 
 # grader.py exits 1 unless every drill passes (for scripts); for a learner that
