@@ -257,10 +257,14 @@ def measure_here(fn, tensors, *args, **kwargs):
 
 
 def measure(module, name, *args, **kwargs):
-    """module.name(*args, **kwargs) under measurement: (result, Traffic or None on a GPU).
-    `module` is what the `drill` fixture gives (a worker proxy: the counting happens in
-    the worker, where the learner's code runs) or an imported module."""
+    """module.name(*args, **kwargs) under measurement: (result, Traffic). `module` is what
+    the `drill` fixture gives (a worker proxy: the counting happens in the worker, where
+    the learner's code runs) or an imported module. On a GPU there is nothing to count:
+    (None, None), without running anything (a traffic case's tensors are CPU tensors)."""
+    import _env
     from _worker import TreeModule, _tensors
+    if not _env.INTERPRET:
+        return None, None
     if isinstance(module, TreeModule):
         return module._worker.call(module._tree, module._stem, name, args, kwargs, traffic=True)
     return measure_here(getattr(module, name), _tensors((args, kwargs)), *args, **kwargs)

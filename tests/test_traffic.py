@@ -98,6 +98,15 @@ def test_loads_routed_around_the_hook_fail_loudly_not_as_zero_bytes(monkeypatch)
     assert torch.equal(y, x)
 
 
+def test_on_a_gpu_nothing_is_counted_and_nothing_runs(monkeypatch):
+    """Without the interpreter there are no loads to see: no line, no run of CPU tensors."""
+    monkeypatch.setattr(_env, "INTERPRET", False)
+    calls = []
+    assert _traffic.measure(type("M", (), {"f": staticmethod(lambda: calls.append(1))}), "f") == (None, None)
+    assert calls == [] and L2.traffic(tree_module("solutions", L2.stem)) is None
+    assert _traffic.in_subprocess(L2, "solutions") is None
+
+
 # --- the references: the fewest bytes their pages count -----------------------------
 
 
