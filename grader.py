@@ -29,7 +29,6 @@ import _env  # noqa: E402  -- first: decides CPU interpreter vs GPU
 import _commands  # noqa: E402
 import _grading  # noqa: E402
 import _picture  # noqa: E402
-import _traffic  # noqa: E402
 from _manifest import DRILLS, drill as find_drill  # noqa: E402
 from _tree import default_tree, tree_path  # noqa: E402
 from rich.console import Console  # noqa: E402
@@ -226,6 +225,7 @@ def main(argv=None):
                 summary["picture"] = _picture.in_subprocess(drill, tree, console.width, console.is_terminal, workdir)
             if summary["status"] != "not started" and _env.INTERPRET:  # on a GPU the bandwidth report speaks
                 spinner.update(f"counting {drill.id.upper()}'s bytes...")
+                import _traffic  # numpy: not needed by `doctor`, which checks for it
                 summary["traffic"] = _traffic.in_subprocess(drill, tree)
             grade["drills"].append(summary)
         after, says_after = _grading.integrity()

@@ -27,10 +27,10 @@ An address in no tensor's storage counts as "outside".
 
 On a GPU nothing runs through the interpreter: `measure` returns None there.
 """
+from __future__ import annotations  # np.ndarray below is a type hint: numpy is imported where it is used
+
 import inspect
 from dataclasses import dataclass, field
-
-import numpy as np
 
 _HOOKS = (("InterpreterBuilder", "create_masked_load", ("ptrs", "mask", "other")),
           ("InterpreterBuilder", "create_masked_store", ("ptrs", "value", "mask")),
@@ -96,6 +96,8 @@ class Traffic:
 
 def bytes_of(view):
     """Byte offsets of every element of `view`, from the start of its storage."""
+    import numpy as np
+
     offsets = np.full(view.shape, view.storage_offset(), dtype=np.int64)
     for dim, (size, stride) in enumerate(zip(view.shape, view.stride())):
         shape = [1] * view.dim()
@@ -117,6 +119,7 @@ def was_read(record, view):
 
 class _Region:
     def __init__(self, storage_ptr, nbytes):
+        import numpy as np
         self.start, self.end = storage_ptr, storage_ptr + nbytes
         self.read = np.zeros(nbytes, dtype=np.int32)
         self.written = np.zeros(nbytes, dtype=np.int32)
@@ -147,6 +150,7 @@ class _Recorder:
                 self._add(t, "scratch")
 
     def access(self, ptrs, mask, element_bytes, store):
+        import numpy as np
         ptrs, mask = np.broadcast_arrays(np.asarray(ptrs), np.asarray(mask, dtype=bool))
         addresses = ptrs[mask]
         addresses = np.unique(addresses.astype(np.uint64)).astype(np.int64)
