@@ -110,8 +110,10 @@ def test_merge_is_associative(drill, device):
     bc = merged(drill, MergeCase(b.v_a, b.s_a, c.v_a, c.s_a))
     left = merged(drill, MergeCase(*ab, c.v_a, c.s_a))
     right = merged(drill, MergeCase(a.v_a, a.s_a, *bc))
-    torch.testing.assert_close(left[0], right[0], atol=1e-5, rtol=1e-5)
-    torch.testing.assert_close(left[1], right[1], atol=1e-5, rtol=1e-6)
+    # On a GPU tl.exp and tl.log are the fast hardware approximations (a few ulp), so
+    # the two orders agree to about 1e-5 there; a wrong merge is off by far more.
+    torch.testing.assert_close(left[0], right[0], atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(left[1], right[1], atol=1e-4, rtol=1e-5)
 
 
 @pytest.mark.pitfall("empty_split_nan")
