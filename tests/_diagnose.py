@@ -19,7 +19,7 @@ import torch
 
 import _env
 import _wrong
-from _paged import bits, never_written, same_bits
+from _paged import Guarded, bits, never_written, same_bits
 
 
 class Mismatch(AssertionError):
@@ -118,6 +118,23 @@ def reproduces(got, want, alt, atol, rtol, where):
     while close.dim() > where.dim():
         close, far = close.all(dim=-1), far.any(dim=-1)
     return bool(close[where].all()) and bool(far[where].all())
+
+
+def output_of(out, returned, like, function, section):
+    """The output tensor a check compares, once the output contract holds: `out` is the
+    Guarded buffer passed as out= (checked by check_out_buffer against `returned`), or,
+    for a call without out=, the tensor the function returned, which must have the shape,
+    dtype and device of `like` (the query)."""
+    if isinstance(out, Guarded):
+        check_out_buffer(out, returned)
+        return out.view
+    if not isinstance(out, torch.Tensor) or tuple(out.shape) != tuple(like.shape):
+        raise Mismatch(f"{function} should return a tensor of the query's shape {tuple(like.shape)}, got "
+                       f"{type(out).__name__} {tuple(getattr(out, 'shape', ()))}")
+    if out.dtype != like.dtype or out.device != like.device:
+        raise Mismatch(f"the output must have the query's dtype and device ({like.dtype}, {like.device}); got "
+                       f"{out.dtype}, {out.device} ({section})")
+    return out
 
 
 def check_out_buffer(out, returned, what="out"):

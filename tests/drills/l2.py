@@ -19,9 +19,9 @@ from rich.text import Text
 
 import _env
 import _wrong
-from _diagnose import Mismatch, check_out_buffer, reproduces
+from _diagnose import Mismatch, output_of, reproduces
 from _drill import ELEMENT_SIZE, BenchCase, Drill, Mistake, Pitfall
-from _paged import (DTYPES, Guarded, allocate_blocks, guarded_nan, guarded_table, nan_outside, never_written, noise,
+from _paged import (DTYPES, allocate_blocks, guarded_nan, guarded_table, nan_outside, never_written, noise,
                     owned_columns, poisoned_out)
 from _pages import section
 from _traffic import Part, measure, report, was_read
@@ -282,15 +282,7 @@ def check_paged_decode(case, out, returned=None):
     non-finite outputs are reported as such, then wrong values are explained by the
     mistake that reproduces them (content/l2.md §7), naming one only on evidence."""
     query = case.query
-    if isinstance(out, Guarded):  # an out= buffer
-        check_out_buffer(out, returned)
-        out = out.view
-    elif not isinstance(out, torch.Tensor) or tuple(out.shape) != tuple(query.shape):
-        raise Mismatch(f"paged_decode_attention should return a tensor [B, H_q, D] = {tuple(query.shape)}, got "
-                       f"{type(out).__name__} {tuple(getattr(out, 'shape', ()))}")
-    if out.dtype != query.dtype or out.device != query.device:
-        raise Mismatch(f"the output must have the query's dtype and device ({query.dtype}, {query.device}); got "
-                       f"{out.dtype}, {out.device} (content/l2.md §1)")
+    out = output_of(out, returned, query, "paged_decode_attention", "content/l2.md §1")
     got, want = out.float().cpu(), case.reference()
     atol, rtol = DECODE_TOLERANCE[query.dtype]
     wrong = ~_close(got, want, atol, rtol)  # [B, H_q]; NaN counts as wrong

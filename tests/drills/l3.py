@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 
 import _env
 import _wrong
-from _diagnose import Mismatch, check_out_buffer, far_from, reproduces
+from _diagnose import Mismatch, far_from, output_of, reproduces
 from _drill import ELEMENT_SIZE, BenchCase, Drill, Mistake, Pitfall
 from _traffic import Part, measure, report, was_read
 from _paged import DTYPES, GUARD, Guarded, allocate_blocks, followed_by, nan_outside, noise, poisoned_out
@@ -239,15 +239,7 @@ def check_paged_prefill(case, out, returned=None):
     then wrong values explained by the mistake that reproduces them (§8); a pitfall
     is named only on evidence no simpler story fits."""
     query = case.query
-    if isinstance(out, Guarded):
-        check_out_buffer(out, returned)
-        out = out.view
-    elif not isinstance(out, torch.Tensor) or tuple(out.shape) != tuple(query.shape):
-        raise Mismatch(f"paged_prefill_attention should return a tensor [total_q, H_q, D] = {tuple(query.shape)}, "
-                       f"got {type(out).__name__} {tuple(getattr(out, 'shape', ()))}")
-    if out.dtype != query.dtype or out.device != query.device:
-        raise Mismatch(f"the output must have the query's dtype and device ({query.dtype}, {query.device}); got "
-                       f"{out.dtype}, {out.device} (content/l3.md §1)")
+    out = output_of(out, returned, query, "paged_prefill_attention", "content/l3.md §1")
     got, want = out.double().cpu(), case.reference()
     atol, rtol = TOLERANCE[query.dtype]
     wrong = ~torch.isclose(got, want, atol=atol, rtol=rtol).all(dim=-1)  # [total_q, H_q]; NaN counts as wrong

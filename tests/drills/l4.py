@@ -16,10 +16,10 @@ from dataclasses import dataclass
 import torch
 from hypothesis import strategies as st
 
-from _diagnose import Mismatch, check_out_buffer, reproduces
+from _diagnose import Mismatch, output_of, reproduces
 from _drill import BenchCase, Drill, Mistake, Pitfall
 from _traffic import Part, measure, report, was_read
-from _paged import DTYPES, Guarded, allocate_blocks, guarded_nan, guarded_table, nan_outside, noise, owned_columns
+from _paged import DTYPES, allocate_blocks, guarded_nan, guarded_table, nan_outside, noise, owned_columns
 
 SECTION = "content/l4.md §8"
 TEST_SHAPES = dict(max_seqs=4, max_context=200, max_kv_heads=2, gqa_ratios=(1, 4), head_sizes=(3, 8, 16, 40),
@@ -324,15 +324,7 @@ def check_split_decode(case, got, returned=None, num_splits=None):
     as such, then the tolerance; a wrong output is explained by the chunk mistake that
     reproduces it, named only on evidence (content/l4.md §8)."""
     query = case.query
-    if isinstance(got, Guarded):
-        check_out_buffer(got, returned)
-        got = got.view
-    elif not isinstance(got, torch.Tensor) or tuple(got.shape) != tuple(query.shape):
-        raise Mismatch(f"paged_decode_attention_split should return a tensor [B, H_q, D] = {tuple(query.shape)}, "
-                       f"got {type(got).__name__} {tuple(getattr(got, 'shape', ()))}")
-    if got.dtype != query.dtype or got.device != query.device:
-        raise Mismatch(f"the output must have the query's dtype and device ({query.dtype}, {query.device}); got "
-                       f"{got.dtype}, {got.device} (content/l4.md §1)")
+    got = output_of(got, returned, query, "paged_decode_attention_split", "content/l4.md §1")
     out, want = got.cpu().double(), case.reference()
     atol, rtol = TOLERANCE[query.dtype]
     splits = num_splits or case.num_splits
