@@ -60,6 +60,7 @@ class Drill:
     picture: Callable = None     # (module, console) -> None: run the learner's code on a small case and draw it
     draw_case: Callable = None   # (saved case, console) -> None: draw a failing case the tests saved
     page_checks: tuple = ()      # functions(page text) that recompute every number the page works out
+    fixture_checks: tuple = ()   # functions(device) that check the drill's own case builders
     traffic: Callable = None     # (module) -> dict: its traffic case's bytes against the fewest (tests/_traffic.py)
 
     @property

@@ -866,6 +866,37 @@ def check_traffic_line(text):
     assert result is None or shown == result["line"], f"the page shows {shown!r}, the reference gives {result['line']!r}"
 
 
+# ---------------------------------------------------------------------------
+# Fixture checks: the builders make the cases the tests say they make (tests/test_fixtures.py)
+
+
+def check_worked_example_puts_each_token_in_the_pages_place(device):
+    ex = WORKED_EXAMPLE
+    for layout in ("NHD", "HND"):
+        case = worked_example_case(device, layout)
+        assert case.places() == list(zip(ex["pages"], ex["entries"]))
+        assert [case.kv_indptr.tolist(), case.kv_indices.tolist(), case.kv_last_page_len.tolist()] == [
+            ex["kv_indptr"], ex["kv_indices"], ex["kv_last_page_len"]]
+
+
+def check_padding_tokens_get_batch_index_minus_one(device):
+    case = append_case([2, 5], [3, 1], 4, num_heads=2, head_size=8, padding=3, device=device)
+    assert case.batch_indices.tolist()[-3:] == [-1, -1, -1] and int((case.batch_indices < 0).sum()) == 3
+
+
+def check_fused_qkv_rows_are_strided_views(device):
+    case = append_case([1, 6], [3, 2], 4, num_heads=2, head_size=8, rows="fused_qkv", device=device)
+    assert case.key.stride(0) == case.value.stride(0) == 3 * 2 * 8
+
+
+def check_pages_come_from_a_shuffled_pool_and_kv_indices_is_guarded(device):
+    case = append_case([9, 0, 13], [3, 2, 1], 4, num_heads=1, head_size=2, spare_pages=2, device=device)
+    pages = case.kv_indices.tolist()
+    assert pages != sorted(pages) or len(pages) < 3  # a logical page is not its physical page
+    guard = case.kv_indices.new_empty(0).set_(case.kv_indices.untyped_storage()).tolist()[len(pages):]
+    assert len(guard) == GUARD and set(guard) <= set(case.spare_pages)
+
+
 DRILL = Drill(
     id="f1", stem=STEM, title="FlashInfer's CSR page table", mirrors="FlashInfer append_paged_kv_cache",
     api=("block_table_to_csr", "batch_indices_positions", "append_paged_kv_cache_kernel", "append_paged_kv_cache"),
@@ -879,4 +910,7 @@ DRILL = Drill(
     picture=picture,
     draw_case=draw_case,
     page_checks=(check_traffic_line, check_page_example, check_self_tests, check_bench_numbers),
+    fixture_checks=(check_worked_example_puts_each_token_in_the_pages_place,
+                    check_padding_tokens_get_batch_index_minus_one, check_fused_qkv_rows_are_strided_views,
+                    check_pages_come_from_a_shuffled_pool_and_kv_indices_is_guarded),
 )

@@ -719,6 +719,26 @@ def check_traffic_line(text):
 
 
 # ---------------------------------------------------------------------------
+# Fixture checks: the builders make the cases the tests say they make (tests/test_fixtures.py)
+
+
+def check_worked_example_gets_the_pages_slots(device):
+    ex = WORKED_EXAMPLE
+    case = kv_write_case(ex["block_table"], ex["num_blocks"], ex["seq_idx"], ex["positions"], ex["block_size"],
+                            num_heads=2, head_size=4, device=device)
+    assert case.slot_mapping.tolist() == ex["slots"]
+
+
+def check_layouts_give_key_and_value_their_own_row_strides(device):
+    for layout in ("fused_qkv", "key_in_qkv", "value_in_qkv", "unequal_strides"):
+        case = random_kv_write_case(context_lens=[1, 6], new_lens=[3, 2], block_size=4, num_heads=2, head_size=8,
+                                       layout=layout, device=device)
+        strides = case.key.stride(0), case.value.stride(0)
+        assert strides != (16, 16), layout
+        assert (strides[0] != strides[1]) == (layout != "fused_qkv"), layout
+
+
+# ---------------------------------------------------------------------------
 
 DRILL = Drill(
     id="l1",
@@ -737,4 +757,6 @@ DRILL = Drill(
     traffic=traffic,
     page_checks=(check_traffic_line, check_worked_example_table, check_self_test_slot, check_self_test_waste, check_paging_numbers,
                  check_self_test_offset, check_self_test_bytes_moved, check_int32_boundary),
+    fixture_checks=(check_worked_example_gets_the_pages_slots,
+                    check_layouts_give_key_and_value_their_own_row_strides),
 )

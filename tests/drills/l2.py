@@ -900,6 +900,34 @@ def check_traffic_line(text):
 
 
 # ---------------------------------------------------------------------------
+# Fixture checks: the builders make the cases the tests say they make (tests/test_fixtures.py)
+
+
+def check_large_logits_overflow_exp_only_in_sequence_1(device):
+    largest = [float(scores.max()) for scores, _ in large_logits_case(device).scores_values()]
+    assert largest[0] < 11 and largest[1] > 120  # exp overflows float16 past 11.1, float32 past 88.7
+
+
+def check_fused_qkv_query_is_a_strided_view(device):
+    assert not small_case(device, [9, 33], layout="fused_qkv", seed=11).query.is_contiguous()
+
+
+def check_far_garbage_points_past_the_cache_only_where_unowned(device):
+    case = far_garbage_case(device)
+    owned = owned_columns(case.seq_lens, case.block_size, case.block_table.shape[1]).to(case.block_table.device)
+    assert bool((case.block_table[owned] < case.k_cache.shape[0]).all())
+    assert bool((case.block_table[~owned] == FAR).all()) and bool(owned[0].all())
+
+
+def check_new_token_scores_highest(device):
+    """...for the first query head of each KV head, whose query the new token's key copies."""
+    case = new_token_first_case(device)
+    group = case.query.shape[1] // case.k_cache.shape[2]
+    for scores, _ in case.scores_values():
+        assert bool((scores[::group].argmax(dim=1) == scores.shape[1] - 1).all())
+
+
+# ---------------------------------------------------------------------------
 
 DRILL = Drill(
     id="l2",
@@ -920,6 +948,8 @@ DRILL = Drill(
     page_checks=(check_traffic_line, check_worked_example, check_bench_bytes_and_flops, check_self_test_online_update,
                  check_self_test_small_batch_bytes, check_self_test_block_table_columns, check_self_test_gqa_mapping,
                  check_self_test_small_batch_grid, check_self_test_split_lse, check_int32_boundary),
+    fixture_checks=(check_large_logits_overflow_exp_only_in_sequence_1, check_fused_qkv_query_is_a_strided_view,
+                    check_far_garbage_points_past_the_cache_only_where_unowned, check_new_token_scores_highest),
 )
 
 

@@ -807,6 +807,49 @@ def check_traffic_line(text):
     assert result is None or shown == result["line"], f"the page shows {shown!r}, the reference gives {result['line']!r}"
 
 
+# ---------------------------------------------------------------------------
+# Fixture checks: the builders make the cases the tests say they make (tests/test_fixtures.py)
+
+
+def check_fused_qkv_query_is_a_strided_view(device):
+    assert not split_case([9, 70], layout="fused_qkv", num_splits=2, seed=15, device=device).query.is_contiguous()
+
+
+def check_empty_merge_sides_hold_garbage(device):
+    case = merge_case(rows=3, heads=2, head_size=8, empty_a=1.0, device=device, seed=7)
+    assert bool(torch.isinf(case.s_a).all()) and bool(torch.isnan(case.v_a).all())
+    assert bool(torch.isfinite(case.s_b).all()) and bool(torch.isfinite(case.v_b).all())
+
+
+def check_empty_chunk_case_separates_short_from_long_sequences(device):
+    """The empty-split test: sequences shorter than 8 tokens leave chunks empty however a
+    kernel rounds its chunks; 2048 = 8 · 256 leaves none empty under any rounding tried."""
+    for align in (1, 16, 32, 64, 128, 256):
+        assert all(end > start for start, end in chunk_bounds(2048, 8, align))
+        assert all(any(end <= start for start, end in chunk_bounds(n, 8, align)) for n in (1, 3))
+
+
+def check_spread_chunks_make_the_chunk_lses_differ(device):
+    case = spread_chunks(split_case([200, 150], num_splits=4, seed=7, device=device))
+    for scores, values in case.scores_values():
+        lse = torch.stack([s for _, s, _ in chunk_states(scores, values, chunk_bounds(scores.shape[1], 4, 64))])
+        assert float((lse.max(0).values - lse.min(0).values).min()) > 1.0
+
+
+def check_last_tokens_score_highest(device):
+    case = last_tokens_score_highest(split_case([256, 200], num_splits=4, seed=9, device=device))
+    group = case.query.shape[1] // case.k_cache.shape[2]
+    for scores, _ in case.scores_values():
+        assert bool((scores[::group].argmax(dim=1) >= scores.shape[1] - 8).all())
+
+
+def check_worked_example_case_is_the_pages_row(device):
+    case = merge_example_case(device)
+    scores, values = case.scores_values()[0]
+    assert scores.flatten().tolist() == MERGE_EXAMPLE["scores"]
+    assert values.flatten().tolist() == MERGE_EXAMPLE["values"]
+
+
 DRILL = Drill(
     id="l4",
     stem="l4_split_kv_decode",
@@ -823,4 +866,8 @@ DRILL = Drill(
     bench_work=bench_work,
     traffic=traffic,
     page_checks=(check_traffic_line, check_worked_example, check_occupancy, check_numbers_in_prose, check_self_tests),
+    fixture_checks=(check_fused_qkv_query_is_a_strided_view, check_empty_merge_sides_hold_garbage,
+                    check_empty_chunk_case_separates_short_from_long_sequences,
+                    check_spread_chunks_make_the_chunk_lses_differ, check_last_tokens_score_highest,
+                    check_worked_example_case_is_the_pages_row),
 )
