@@ -80,3 +80,35 @@ def test_show_draws_the_reference_without_red_flags():
 def test_diff_shows_both_files():
     result = grader("diff", "l1", "--tree", "mine")
     assert result.returncode == 0 and "NotImplementedError" in result.stdout and "tl.program_id" in result.stdout
+
+
+def test_the_l1_picture_draws_the_cache_that_is_wrong():
+    from rich.console import Console
+
+    from drills import l1
+
+    ex = l1.WORKED_EXAMPLE
+    case = l1.kv_write_case(ex["block_table"], ex["num_blocks"], ex["seq_idx"], ex["positions"], ex["block_size"],
+                            num_heads=2, head_size=4)
+    want_k, _ = case.expected()
+    case.k_cache.storage.copy_(want_k)  # K written right, V never written
+    console = Console(record=True, width=160)
+    l1.draw_case(case, console)
+    assert "v_cache, yours" in console.export_text()
+
+
+def test_the_l2_picture_marks_what_is_wrong_and_what_was_never_written():
+    from rich.console import Console
+
+    from _paged import poisoned_out
+    from drills import l2
+
+    case = l2.small_case("cpu", [5, 17])
+    out = poisoned_out(case.query.shape, case.query.dtype, "cpu", torch.Generator().manual_seed(0))
+    out.view[0].copy_(case.reference()[0])  # sequence 0 right, sequence 1 never written
+    console = Console(record=True, width=160)
+    l2.draw_case((case, out.view), console)
+    rows = console.export_text().splitlines()
+    row0 = next(r for r in rows if r.strip().startswith("0 "))
+    row1 = next(r for r in rows if r.strip().startswith("1 "))
+    assert "✓" in row0 and "✗" not in row0 and "·" in row1
