@@ -30,6 +30,7 @@ On a GPU nothing runs through the interpreter: `measure` returns None there.
 from __future__ import annotations  # np.ndarray below is a type hint: numpy is imported where it is used
 
 import inspect
+import re
 from dataclasses import dataclass, field
 
 _HOOKS = (("InterpreterBuilder", "create_masked_load", ("ptrs", "mask", "other")),
@@ -333,6 +334,13 @@ def report(drill_id, traffic, parts, where=()):
 
 # ---------------------------------------------------------------------------
 # The grade's traffic line, computed in a process of its own (the learner's code may crash)
+
+
+def check_page_line(text, drill_id, result):
+    """The traffic line a page shows (`L2  loads ...`, on a line of its own) is the one
+    `result` gives: the drill's `traffic` run on its reference (None on a GPU)."""
+    shown = re.search(rf"^({drill_id.upper()}  loads .*)$", text, re.M).group(1)
+    assert result is None or shown == result["line"], f"the page shows {shown!r}, the reference gives {result['line']!r}"
 
 
 def in_subprocess(drill, tree, timeout=300):

@@ -18,7 +18,7 @@ from _diagnose import Mismatch, describe_mistakes, known_mistakes
 from _drill import ELEMENT_SIZE, BenchCase, Drill, Mistake, Pitfall
 from _pages import section
 from _paged import DTYPES, allocate_blocks, bits, followed_by, guarded, noise
-from _traffic import Part, measure, report
+from _traffic import Part, check_page_line, measure, report
 from _tree import ROOT
 
 STEM = "f1_csr_page_table"
@@ -861,9 +861,7 @@ def check_traffic_line(text):
     p = TRAFFIC_CASE
     assert (p["num_requests"], p["new_tokens"], p["num_heads"], p["head_size"]) == (4, 8, 2, 32)
     assert "4 个请求各追加 8 个 token，H=2、D=32" in text
-    shown = re.search(r"^(F1  loads .*)$", text, re.M).group(1)
-    result = traffic(load_drill("solutions", "f1_csr_page_table"))
-    assert result is None or shown == result["line"], f"the page shows {shown!r}, the reference gives {result['line']!r}"
+    check_page_line(text, "f1", traffic(load_drill("solutions", "f1_csr_page_table")))
 
 
 # ---------------------------------------------------------------------------

@@ -15,7 +15,7 @@ import _env
 import _wrong
 from _diagnose import Mismatch, far_from, output_of, reproduces
 from _drill import ELEMENT_SIZE, BenchCase, Drill, Mistake, Pitfall
-from _traffic import Part, measure, report, was_read
+from _traffic import Part, check_page_line, measure, report, was_read
 from _paged import DTYPES, GUARD, Guarded, allocate_blocks, followed_by, nan_outside, noise, poisoned_out
 
 SECTION = "content/l3.md §8"
@@ -758,9 +758,7 @@ def check_traffic_line(text):
     from _tree import load_drill
     p = TRAFFIC_CASE
     assert (p["num_seqs"], p["q_len"], p["context"]) == (3, 4, 68) and "3 条序列各 4 个新 token，接在 68 个" in text
-    shown = re.search(r"^(L3  loads .*)$", text, re.M).group(1)
-    result = traffic(load_drill("solutions", "l3_paged_prefill"))
-    assert result is None or shown == result["line"], f"the page shows {shown!r}, the reference gives {result['line']!r}"
+    check_page_line(text, "l3", traffic(load_drill("solutions", "l3_paged_prefill")))
 
 
 DRILL = Drill(

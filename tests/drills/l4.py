@@ -18,7 +18,8 @@ from hypothesis import strategies as st
 
 from _diagnose import Mismatch, output_of, reproduces
 from _drill import BenchCase, Drill, Mistake, Pitfall
-from _traffic import Part, measure, report, was_read
+from _traffic import Part, check_page_line, measure, report, was_read
+from _tree import load_drill
 from _paged import DTYPES, allocate_blocks, guarded_nan, guarded_table, nan_outside, noise, owned_columns
 
 SECTION = "content/l4.md §8"
@@ -603,7 +604,6 @@ def bench_work(module, params, device, n_sets):
     cache holds none of them. Returns (ours, {name: (baseline, graph_safe)}): L2's
     reference (loaded from solutions/, whatever tree is graded) and SDPA on the same
     K/V already contiguous per sequence."""
-    from _tree import load_drill
 
     num_seqs, context, block_size = params["num_seqs"], params["context"], params["block_size"]
     num_heads, num_kv_heads, head_size = params["num_heads"], params["num_kv_heads"], params["head_size"]
@@ -801,10 +801,7 @@ def check_traffic_line(text):
     CPU interpreter; on a GPU there is nothing to count), and the case is the one described."""
     p = TRAFFIC_CASE
     assert (p["num_seqs"], p["context"], p["num_splits"]) == (2, 200, 4) and "两条序列、上下文 200、分 4 段" in text
-    shown = re.search(r"^(L4  loads .*)$", text, re.M).group(1)
-    from _tree import load_drill
-    result = traffic(load_drill("solutions", "l4_split_kv_decode"))
-    assert result is None or shown == result["line"], f"the page shows {shown!r}, the reference gives {result['line']!r}"
+    check_page_line(text, "l4", traffic(load_drill("solutions", "l4_split_kv_decode")))
 
 
 # ---------------------------------------------------------------------------
