@@ -1,7 +1,8 @@
 """Which tree of drill modules runs: mine/ (default), solutions/, or any folder.
 
-Tests reach a tree only through this module (via the `drill` fixture in
-conftest.py); they never import mine/ or solutions/ directly.
+Tests reach a tree only through the `drill` fixture (tests/_plugin.py), which
+hands them the module run in a worker process (tests/_worker.py, which loads it
+with `load_drill` below); they never import mine/ or solutions/ directly.
 """
 import hashlib
 import importlib.util
