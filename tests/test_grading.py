@@ -29,12 +29,16 @@ def planted(tmp_path, pitfall, extra=""):
 FORGE = r'''
 import os as _os
 def _forge():
-    # What a learner's file could try: find the report in the test process's command
-    # line and write "passed" lines into it, and switch the checks off where it can.
-    args = open(f"/proc/{_os.getppid()}/cmdline").read().split("\0")
-    report = next((a.split("=", 1)[1] for a in args if a.startswith("--drills-report=")), None)
-    if report is None and "--drills-report" in args:
-        report = args[args.index("--drills-report") + 1]
+    # What a learner's file could try: find the report in the command line of the test
+    # process (an ancestor of this one) and write "passed" lines into it, and switch
+    # the checks off where it can.
+    pid, report = _os.getppid(), None
+    while pid > 1 and report is None:
+        args = open(f"/proc/{pid}/cmdline").read().split("\0")
+        report = next((a.split("=", 1)[1] for a in args if a.startswith("--drills-report=")), None)
+        if report is None and "--drills-report" in args:
+            report = args[args.index("--drills-report") + 1]
+        pid = int(open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()[1])
     if report:
         with open(report, "a") as f:
             for name in ("test_write_worked_example", "test_slot_mapping_worked_example"):
