@@ -68,8 +68,9 @@ def stop_children_on_signals(say):
     signal.signal(signal.SIGTERM, handler)
 
 
-def _pytest(drill, tree, report, timeout, env, deselect, variants=None, select=None):
-    """One test process; returns its exit code (None: killed at the time limit)."""
+def _pytest(drills, tree, report, timeout, env, deselect, variants=None, select=None):
+    """One test process for the drills' test files; returns its exit code (None: killed
+    at the time limit), its output and the report's key."""
     key_read, key_write = os.pipe()
     key = secrets.token_bytes(32)
     os.write(key_write, key)
@@ -77,8 +78,8 @@ def _pytest(drill, tree, report, timeout, env, deselect, variants=None, select=N
     # --tb=native: the report keeps its own account of each failure, and pytest's default
     # traceback parses the source of every frame of every failure (half the run's time
     # when many tests fail).
-    cmd = [sys.executable, "-m", "pytest", f"tests/test_{drill.stem}.py", f"--tree={tree}", "-q", "--tb=native",
-           "-p", "no:randomly", "--drills-report", str(report), "--drills-key-fd", str(key_read)]
+    cmd = [sys.executable, "-m", "pytest", *(f"tests/test_{d.stem}.py" for d in drills), f"--tree={tree}", "-q",
+           "--tb=native", "-p", "no:randomly", "--drills-report", str(report), "--drills-key-fd", str(key_read)]
     if variants:
         cmd += ["--drills-variants", str(variants)]
     if select:
@@ -92,9 +93,10 @@ def _pytest(drill, tree, report, timeout, env, deselect, variants=None, select=N
     return code, out, err, key
 
 
-def run_tests(drill, tree, timeout, env=None, variants=None, select=None):
-    """Run a drill's tests, resuming in a fresh process after the test process dies.
-    Returns (records, problems): the report's records and what went wrong around them."""
+def run_tests(drills, tree, timeout, env=None, variants=None, select=None):
+    """Run the tests of a list of drills in one test process, resuming in a fresh one
+    after the test process dies. Returns (records, problems): the report's records and
+    what went wrong around them."""
     env = {**(env or {}), "PYTHONUNBUFFERED": "1"}
     records, problems, done = [], [], []
     started = time.monotonic()
@@ -102,7 +104,7 @@ def run_tests(drill, tree, timeout, env=None, variants=None, select=None):
         for attempt in range(RESTARTS + 1):
             report = Path(tmp) / f"report-{attempt}.jsonl"
             left = timeout - (time.monotonic() - started)
-            code, out, err, key = _pytest(drill, tree, report, max(left, 1), env, done, variants, select)
+            code, out, err, key = _pytest(drills, tree, report, max(left, 1), env, done, variants, select)
             lines, forged = read_signed(report, key)
             if forged:
                 problems.append(f"the report holds {forged} line(s) the test process did not write: something "
@@ -213,24 +215,27 @@ def grade_drill(drill, tree, timeout, workdir=None, test_timeout=None, env=None,
     if test_timeout:
         env["DRILLS_TIMEOUT"] = str(test_timeout)
     started = time.monotonic()
-    records, problems = run_tests(drill, tree, timeout, env, select=select)
+    records, problems = run_tests([drill], tree, timeout, env, select=select)
     summary = summarize(drill, records, problems)
     summary["seconds"] = round(time.monotonic() - started, 1)
     return summary
 
 
-def grade_variants(drill, folder, timeout):
-    """Grade every planted bug in `folder` (<name>/<stem>.py each) in one test process:
-    a pitfall against the tests marked with it and the worked example, any other
-    mistake against the whole drill. Returns {name: summary}."""
-    records, problems = run_tests(drill, ROOT / "solutions", timeout,
-                                  {"DRILLS_HYPOTHESIS_PROFILE": "quick"}, variants=folder)
-    names = sorted(p.name for p in Path(folder).iterdir() if p.is_dir())
+def grade_variants(drills, folder, timeout):
+    """Grade every planted bug in `folder` (<stem>/<name>/<stem>.py each) in one test
+    process: a pitfall against the tests marked with it and the worked example, any
+    other mistake against the worked example and every test marked with a pitfall.
+    Returns {(drill id, name): summary}."""
+    records, problems = run_tests(drills, ROOT / "solutions", timeout, {"DRILLS_HYPOTHESIS_PROFILE": "quick"},
+                                  variants=folder)
+    collected = [(t, v) for r in records if "collected" in r for t, v in zip(r["collected"], r["variants"])]
     grades = {}
-    for name in names:
-        mine = [r for r in records if "outcome" in r and r.get("variant") == name]
-        collected = [t for r in records if "collected" in r for t, v in zip(r["collected"], r["variants"]) if v == name]
-        grades[name] = summarize(drill, [dict(collected=collected)] + mine, problems)
+    for drill in drills:
+        ours = f"tests/test_{drill.stem}.py::"
+        for name in sorted(p.name for p in (Path(folder) / drill.stem).iterdir() if p.is_dir()):
+            mine = [r for r in records if "outcome" in r and r.get("variant") == name and r["test"].startswith(ours)]
+            tests = [t for t, v in collected if v == name and t.startswith(ours)]
+            grades[drill.id, name] = summarize(drill, [dict(collected=tests)] + mine, problems)
     return grades
 
 

@@ -111,11 +111,10 @@ def release_big_memory():
 def caches_past_int32(block_size, num_kv_heads, head_size, device, dtype=torch.float16):
     """k/v caches [num_blocks, block_size, H_kv, D] of just over 2**31 elements each
     (4 GiB in fp16), for the int64-offset tests. Never filled: on the CPU they are
-    made in shared memory from the start (the learner's code runs in another process).
-    Triton's CPU interpreter copies each tensor's whole storage onto itself after a
-    launch, so there they cost their full 8 GiB for the test's duration: one test at
-    a time on this machine holds them (a lock file, released when the test ends).
-    Skips the test where they do not fit."""
+    sparse files in shared memory from the start (the learner's code runs in another
+    process), so only the pages a kernel writes take memory. A kernel that writes all
+    over them would still take 8 GiB: one test at a time on this machine holds them (a
+    lock file, released when the test ends). Skips the test where they do not fit."""
     import fcntl
     import os
     import tempfile
@@ -132,7 +131,16 @@ def caches_past_int32(block_size, num_kv_heads, head_size, device, dtype=torch.f
     try:
         if torch.device(device).type == "cpu":
             def make():
-                storage = torch.UntypedStorage._new_shared(math.prod(shape) * dtype.itemsize)
+                # A sparse file in memory: pages exist only once written, so the few slots a
+                # test touches cost what they hold, not 4 GiB (UntypedStorage._new_shared
+                # would reserve every page up front, which takes most of a second).
+                nbytes = math.prod(shape) * dtype.itemsize
+                fd = os.memfd_create("drills-cache-past-int32")
+                try:
+                    os.ftruncate(fd, nbytes)
+                    storage = torch.UntypedStorage._new_shared_fd_cpu(fd, nbytes)
+                finally:
+                    os.close(fd)  # the storage holds its own copy of the descriptor
                 return torch.empty(0, dtype=dtype).set_(storage, 0, shape)
             return make(), make()
         k_cache = torch.empty(shape, dtype=dtype, device=device)

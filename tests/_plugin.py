@@ -36,8 +36,8 @@ def pytest_addoption(parser):
     parser.addoption("--drills-report", default=None, help="(grading run) write signed JSON lines to this file")
     parser.addoption("--drills-key-fd", type=int, default=None, help="(grading run) read the signing key here")
     parser.addoption("--drills-variants", default=None,
-                     help="(planted-bug run) a folder of <name>/<stem>.py trees: run each against the tests that "
-                          "can reveal it")
+                     help="(planted-bug run) a folder of <stem>/<name>/<stem>.py trees: run each against the tests "
+                          "that can reveal it")
 
 
 def pytest_configure(config):
@@ -55,13 +55,15 @@ def pytest_configure(config):
         config.pluginmanager.register(_report.Reporter(config.getoption("--drills-report"), key), "drills-report")
 
 
-def _variants(config):
-    folder = config.getoption("--drills-variants")
-    return sorted(p.name for p in Path(folder).iterdir() if p.is_dir()) if folder else []
+def _variants(config, stem):
+    """The planted bugs of the drill with this stem (--drills-variants)."""
+    root = config.getoption("--drills-variants")
+    folder = Path(root) / stem if root else None
+    return sorted(p.name for p in folder.iterdir() if p.is_dir()) if folder and folder.is_dir() else []
 
 
 def pytest_generate_tests(metafunc):
-    names = _variants(metafunc.config)
+    names = _variants(metafunc.config, metafunc.definition.path.stem.removeprefix("test_"))
     if names and "variant" in metafunc.fixturenames:
         metafunc.parametrize("variant", names, scope="module")
 
@@ -70,7 +72,7 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         stem = item.path.stem.removeprefix("test_")
         item.add_marker(BY_STEM[stem].id if stem in BY_STEM else "meta")
-    if not _variants(config):
+    if not config.getoption("--drills-variants"):
         return
     # A planted pitfall runs against the tests marked with it and the page's worked
     # example; any other planted mistake against the worked example and every test
@@ -91,6 +93,15 @@ def pytest_collection_modifyitems(config, items):
             drop.append(item)
     config.hook.pytest_deselected(items=drop)
     items[:] = keep
+
+
+def pytest_collection_finish(session):
+    # Grading the planted bugs takes a test process of its own for a minute or more: start
+    # it now, so that it runs beside the other tests rather than after them.
+    if any("planted_grades" in getattr(item, "fixturenames", ()) for item in session.items):
+        import _wrong
+
+        _wrong.start_grading(DRILLS)
 
 
 def pytest_runtest_setup(item):
@@ -123,7 +134,7 @@ def drill(request, tree, variant):
     run in a worker process."""
     stem = request.path.stem.removeprefix("test_")
     if variant is not None:
-        tree = Path(request.config.getoption("--drills-variants")) / variant
+        tree = Path(request.config.getoption("--drills-variants")) / stem / variant
     path = Path(tree) / f"{stem}.py"
     if not path.is_file():
         pytest.fail(f"{path} does not exist: make reset DRILL={BY_STEM[stem].id} restores the stub", pytrace=False)

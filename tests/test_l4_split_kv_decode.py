@@ -7,7 +7,6 @@ guarded buffer. The partial results are poisoned where the merge gets them as in
 an empty side's `v` is NaN garbage. A failure says which sequence, query head and
 chunk is off, and which mistake reproduces it.
 """
-import math
 
 import pytest
 import torch

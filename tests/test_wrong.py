@@ -5,13 +5,11 @@ show; and a crash costs one test, not the drill."""
 import ast
 import random
 import re
-from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import torch
 from hypothesis import assume, given, settings, strategies as st
 
-import _grading
 import _wrong
 from _diagnose import Mismatch, explain_error
 from _manifest import DRILLS
@@ -24,24 +22,18 @@ CASES = [(d, name) for d in DRILLS for name in (*d.pitfalls, *d.mistakes)]
 
 
 @pytest.fixture(scope="module")
-def grades(tmp_path_factory):
-    """Every planted bug of every drill, graded: one test process per drill (two at a time),
-    each bug against the tests that can reveal it."""
-    def grade(drill):
-        folder = tmp_path_factory.mktemp(drill.id)
-        for name in (*drill.pitfalls, *drill.mistakes):
-            _wrong.plant(drill, name, folder / name)
-        return {(drill.id, name): summary for name, summary in _grading.grade_variants(drill, folder, 900).items()}
-
-    with ThreadPoolExecutor(max_workers=2) as pool:
-        return {key: s for part in pool.map(grade, DRILLS) for key, s in part.items()}
+def planted_grades():
+    """Every planted bug of every drill, graded in one test process of its own, each bug
+    against the tests that can reveal it. The plugin starts this grading when the test
+    session is collected, so it runs beside the other tests (tests/_wrong.py)."""
+    return _wrong.graded(DRILLS)
 
 
 @pytest.mark.parametrize("case", [c for c in CASES if c[1] in c[0].pitfalls],
                          ids=[f"{d.id}-{n}" for d, n in CASES if n in d.pitfalls])
-def test_planted_pitfall_fails_the_drill_and_is_named(grades, case):
+def test_planted_pitfall_fails_the_drill_and_is_named(planted_grades, case):
     drill, name = case
-    summary = grades[drill.id, name]
+    summary = planted_grades[drill.id, name]
     assert summary["status"] == "failing", f"{name} planted in {drill.stem} was not caught: {summary}"
     named = [finding["pitfall"] for finding in summary["diagnosis"]]
     assert name in named, f"{name} planted in {drill.stem}: the grader named {named}; {summary['first_failure']}"
@@ -49,9 +41,9 @@ def test_planted_pitfall_fails_the_drill_and_is_named(grades, case):
 
 @pytest.mark.parametrize("case", [c for c in CASES if c[1] in c[0].mistakes],
                          ids=[f"{d.id}-{n}" for d, n in CASES if n in d.mistakes])
-def test_other_mistakes_fail_and_are_described_not_misnamed(grades, case):
+def test_other_mistakes_fail_and_are_described_not_misnamed(planted_grades, case):
     drill, name = case
-    summary = grades[drill.id, name]
+    summary = planted_grades[drill.id, name]
     assert summary["status"] == "failing", f"{name} planted in {drill.stem} was not caught: {summary}"
     named = [finding["pitfall"] for finding in summary["diagnosis"]]
     assert named == [], f"{name} planted in {drill.stem}: the grader wrongly named {named}"
@@ -60,10 +52,10 @@ def test_other_mistakes_fail_and_are_described_not_misnamed(grades, case):
     assert drill.mistakes[name].shows in said, f"{name}: the first failure says {said!r}"
 
 
-def test_a_crash_costs_one_test_not_the_drill(grades):
+def test_a_crash_costs_one_test_not_the_drill(planted_grades):
     """The planted crash kills the learner's process in the one test with five heads;
     every other test still runs, and passes."""
-    summary = grades["l1", "crashes_on_five_heads"]
+    summary = planted_grades["l1", "crashes_on_five_heads"]
     assert summary["first_failure"]["kind"] == "crash"
     assert summary["failed"] == 1 and summary["passed"] >= 10, summary
     assert summary["diagnosis"] == []
