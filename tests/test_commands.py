@@ -16,6 +16,23 @@ def grader(*args, cwd=ROOT, env=None):
 
 
 @pytest.fixture
+def here(monkeypatch, capsys):
+    """A command of this checkout's grader.py, run in this process (no new interpreter to
+    start): (exit status, what it printed)."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("drills_grader_front", ROOT / "grader.py")
+    front = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(front)
+    monkeypatch.setenv("COLUMNS", "160")
+
+    def run(*args):
+        code = front.main(list(args))
+        return code, capsys.readouterr().out
+    return run
+
+
+@pytest.fixture
 def clone(tmp_path):
     """A fresh clone of the committed repository, where a learner has started L1."""
     cloned = subprocess.run(["git", "clone", "-q", str(ROOT), str(tmp_path / "repo")], capture_output=True)
@@ -45,9 +62,16 @@ def test_reset_finds_the_stub_even_after_the_learner_committed(clone):
     assert (clone / "mine/l1_paged_kv_write.py").read_text() == stub
 
 
-def test_doctor_is_happy_here():
-    result = grader("doctor")
-    assert result.returncode == 0 and "ready" in result.stdout, result.stdout + result.stderr
+def test_doctor_is_happy_here(here):
+    code, out = here("doctor")
+    assert code == 0 and "ready" in out, out
+
+
+@pytest.mark.parametrize("argv,says", [(["hint", "l9"], "no drill 'l9'"),
+                                       (["show", "l1", "--tree", "/nonexistent-tree"], "is not a folder")])
+def test_commands_answer_bad_arguments_in_words(here, argv, says):
+    code, out = here(*argv)
+    assert code != 0 and says in out
 
 
 def test_doctor_catches_a_missing_numpy(tmp_path):
@@ -70,16 +94,16 @@ def test_hints_come_one_at_a_time(clone):
     assert (clone / ".drills/hints.json").exists()
 
 
-def test_show_draws_the_reference_without_red_flags():
-    result = grader("show", "l1", "--tree", "solutions")
-    assert result.returncode == 0
-    assert "k_cache, yours" in result.stdout and "t2" in result.stdout
-    assert "?" not in result.stdout.split("k_cache, expected")[1].split("tN:")[0]
+def test_show_draws_the_reference_without_red_flags(here):
+    code, out = here("show", "l1", "--tree", "solutions")
+    assert code == 0
+    assert "k_cache, yours" in out and "t2" in out
+    assert "?" not in out.split("k_cache, expected")[1].split("tN:")[0]
 
 
-def test_diff_shows_both_files():
-    result = grader("diff", "l1", "--tree", "mine")
-    assert result.returncode == 0 and "NotImplementedError" in result.stdout and "tl.program_id" in result.stdout
+def test_diff_shows_both_files(here):
+    code, out = here("diff", "l1", "--tree", "mine")
+    assert code == 0 and "NotImplementedError" in out and "tl.program_id" in out
 
 
 def test_the_l1_picture_draws_the_cache_that_is_wrong():

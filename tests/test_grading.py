@@ -52,12 +52,25 @@ _forge()
 '''
 
 
-def test_a_learner_file_cannot_forge_a_pass(tmp_path):
-    tree = planted(tmp_path, "position_as_slot", FORGE)
-    summary = _grading.grade_drill(L1, tree, 300, select="worked_example")
-    assert summary["status"] == "failing"
-    assert "did not write" in (summary["problem"] or ""), summary["problem"]
-    assert "position_as_slot" in [d["pitfall"] for d in summary["diagnosis"]]
+@pytest.fixture(scope="module")
+def hostile_grade(tmp_path_factory):
+    """One grading run of a wrong L1 (position_as_slot) that prints its positions and
+    tries to forge its report (one run serves the tests below: each takes seconds)."""
+    tree = planted(tmp_path_factory.mktemp("hostile"), "position_as_slot", FORGE)
+    path = tree / f"{L1.stem}.py"
+    path.write_text(path.read_text().replace('    """Slot of each new token', '    print("my positions:", positions)\n'
+                                                                             '    """Slot of each new token', 1))
+    return _grading.grade_drill(L1, tree, 300, select="worked_example")
+
+
+def test_a_learner_file_cannot_forge_a_pass(hostile_grade):
+    assert hostile_grade["status"] == "failing"
+    assert "did not write" in (hostile_grade["problem"] or ""), hostile_grade["problem"]
+    assert "position_as_slot" in [d["pitfall"] for d in hostile_grade["diagnosis"]]
+
+
+def test_the_first_failure_shows_what_the_learner_printed(hostile_grade):
+    assert "my positions:" in hostile_grade["first_failure"]["stdout"]
 
 
 def test_changed_machinery_is_reported(tmp_path):
@@ -80,7 +93,7 @@ def test_changed_machinery_is_reported(tmp_path):
 @pytest.fixture
 def worker(monkeypatch):
     w = Worker()
-    w.budget = 3
+    w.budget = 1.5
     yield w
     w.stop()
 
@@ -130,44 +143,47 @@ def test_what_the_learner_prints_comes_back(tmp_path, capfd):
     assert "debug: slot 13" in capfd.readouterr().out
 
 
-def test_the_first_failure_shows_what_the_learner_printed(tmp_path):
-    tree = planted(tmp_path, "token_index_as_position")
-    path = tree / f"{L1.stem}.py"
-    path.write_text(path.read_text().replace('    """Slot of each new token', '    print("my positions:", positions)\n'
-                                                                             '    """Slot of each new token', 1))
-    summary = _grading.grade_drill(L1, tree, 300, select="worked_example")
-    assert "my positions:" in summary["first_failure"]["stdout"]
+def _descendants(pid):
+    """Every live process below `pid` (from /proc's parent links)."""
+    parents = {}
+    for entry in os.listdir("/proc"):
+        try:
+            parents[int(entry)] = int(open(f"/proc/{entry}/stat").read().rsplit(")", 1)[1].split()[1])
+        except (OSError, ValueError, IndexError):
+            pass
+    found, frontier = set(), {pid}
+    while frontier:
+        frontier = {child for child, parent in parents.items() if parent in frontier} - found
+        found |= frontier
+    return found
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="process groups and /proc")
 def test_ctrl_c_stops_every_process_the_grader_started(tmp_path):
-    tree = learner(tmp_path, "def slot_mapping(*a):\n    while True:\n        pass\n")
+    started = tmp_path / "started"
+    tree = learner(tmp_path, f"def slot_mapping(*a):\n    open({str(started)!r}, 'w').close()\n    while True:\n"
+                             f"        pass\n")
     grader = subprocess.Popen([sys.executable, "grader.py", "l1", f"--tree={tree}", "--test-timeout", "600"],
                               cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-
-    def ours():
-        found = []
-        for pid in os.listdir("/proc"):
-            try:
-                if str(tree) in open(f"/proc/{pid}/cmdline").read():
-                    found.append(pid)
-            except (OSError, ValueError):
-                pass
-        return found
     deadline = time.monotonic() + 60
-    while not [p for p in ours() if int(p) != grader.pid] and time.monotonic() < deadline:
-        time.sleep(0.2)
-    time.sleep(4)  # let the test process start its worker
+    while not started.exists() and time.monotonic() < deadline:  # the learner's code is running
+        time.sleep(0.1)
+    assert started.exists(), "the learner's code never ran"
+    below = _descendants(grader.pid)  # the test process, its workers (and their fork server)
+    assert len(below) >= 2, below
     grader.send_signal(signal.SIGINT)
     out, _ = grader.communicate(timeout=30)
     assert grader.returncode == 128 + signal.SIGINT
     assert "stopped by SIGINT" in out
-    time.sleep(1)
-    assert ours() == [], "processes of the grade are still running after Ctrl-C"
+    deadline = time.monotonic() + 10
+    while [p for p in below if _alive(p)] and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert [p for p in below if _alive(p)] == [], "processes of the grade are still running after Ctrl-C"
 
 
-@pytest.mark.parametrize("argv,says", [(["hint", "l9"], "no drill 'l9'"),
-                                       (["show", "l1", "--tree", "/nonexistent-tree"], "is not a folder")])
-def test_commands_answer_bad_arguments_in_words(argv, says):
-    result = subprocess.run([sys.executable, "grader.py", *argv], cwd=ROOT, capture_output=True, text=True, timeout=120)
-    assert result.returncode != 0 and says in result.stdout and "Traceback" not in result.stderr
+def _alive(pid):
+    """Whether the process runs (a zombie waiting to be reaped does not)."""
+    try:
+        return open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False

@@ -76,7 +76,8 @@ def test_every_pitfall_on_the_page_is_planted_and_marked(drill):
 L1 = next(d for d in DRILLS if d.id == "l1")
 
 
-@settings(max_examples=15)  # each example runs up to eleven kernels
+# A third of the profile's examples (6 on the CPU, 33 on a GPU): each one runs up to eleven kernels.
+@settings(max_examples=max(settings.default.max_examples // 3, 2))
 @given(params=kv_write_params(), pitfall=st.sampled_from(sorted(L1.pitfalls)))
 def test_l1_diagnosis_names_the_planted_mistake_and_nothing_on_a_right_answer(device, params, pitfall):
     case = random_kv_write_case(**params, device=device)
@@ -165,7 +166,7 @@ def test_l2_diagnosis_never_names_a_pitfall_a_random_slip_is_not(tmp_path, devic
 F1 = next(d for d in DRILLS if d.id == "f1")
 
 
-@settings(max_examples=15)  # each example runs up to eight kernels
+@settings(max_examples=max(settings.default.max_examples // 3, 2))  # each example runs up to eight kernels
 @given(params=f1_append_params(), pitfall=st.sampled_from(sorted(set(F1.pitfalls) - {"int32_offsets"})))
 def test_f1_diagnosis_names_the_planted_mistake_and_nothing_on_a_right_answer(device, params, pitfall):
     """int32_offsets needs a cache past 2**31 elements; its own test covers it."""
