@@ -171,6 +171,8 @@ def summarize(drill, records, problems=()):
             summary["first_failure"]["message"] += f"\n  this test exists to catch {marks} ({drill.section})"
     summary["diagnosis"] = [dict(pitfall=p, says=drill.pitfalls[p].says, section=drill.section)
                             for p in _evidence(drill, ordered) if p in drill.pitfalls]
+    # Pitfalls whose planted mistake raced on a failing input (a GPU): no evidence either way.
+    summary["undecided"] = sorted({p for r in ordered for p in r.get("undecided") or ()})
     if summary["failed"] == 0 and not problems:
         summary["status"] = "passed"
     elif passed == 0 and failures and not real and not problems:

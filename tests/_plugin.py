@@ -5,6 +5,7 @@ pyproject.toml loads with `-p _plugin`). Names no drill.
 the drill module from the `drill` fixture, which runs it in a worker process
 (tests/_worker.py), and never import a tree themselves.
 """
+import functools
 import os
 import sys
 from pathlib import Path
@@ -106,6 +107,24 @@ def pytest_collection_finish(session):
 
 def pytest_runtest_setup(item):
     reset_all()  # each test gets its own time for the learner's code (and the planted variants')
+    _per_example_budget(item)
+
+
+def _per_example_budget(item):
+    """A hypothesis test runs the learner's code once per example (100 on a GPU, each a new
+    kernel specialisation to compile): each example, not the whole test, gets the time
+    limit, so that a slow compile cannot fail a right kernel while a hang still fails."""
+    hypothesis_test = getattr(getattr(item, "obj", None), "hypothesis", None)
+    inner = getattr(hypothesis_test, "inner_test", None)
+    if inner is None or getattr(inner, "_drills_budget", False):
+        return
+
+    @functools.wraps(inner)
+    def each_example(*args, **kwargs):
+        reset_all()
+        return inner(*args, **kwargs)
+    each_example._drills_budget = True
+    hypothesis_test.inner_test = each_example  # hypothesis's documented hook for wrapping a test
 
 
 def pytest_runtest_teardown(item):

@@ -223,6 +223,11 @@ class _Arg:
 def _by_value(obj, flat):
     if isinstance(obj, _Arg):
         return flat[obj.index]
+    if isinstance(obj, torch.Tensor) and obj.is_cuda:
+        # A new CUDA tensor arrives by IPC and stays the worker's memory: torch will not send
+        # it on (a test that hands one result back to the learner's next call), and it dies
+        # with the worker. A copy of our own is neither.
+        return obj.clone()
     if isinstance(obj, tuple):
         return tuple(_by_value(x, flat) for x in obj)
     if isinstance(obj, list):

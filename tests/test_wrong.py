@@ -10,6 +10,7 @@ import pytest
 import torch
 from hypothesis import assume, given, settings, strategies as st
 
+import _env
 import _wrong
 from _diagnose import Mismatch, explain_error
 from _manifest import DRILLS
@@ -36,6 +37,10 @@ def test_planted_pitfall_fails_the_drill_and_is_named(planted_grades, case):
     summary = planted_grades[drill.id, name]
     assert summary["status"] == "failing", f"{name} planted in {drill.stem} was not caught: {summary}"
     named = [finding["pitfall"] for finding in summary["diagnosis"]]
+    # On a GPU a mistake whose programs write one place races: its output is not one answer,
+    # so the grade rightly names nothing; it must then have seen the race, not missed the match.
+    if not _env.INTERPRET and name not in named and name in summary["undecided"]:
+        return
     assert name in named, f"{name} planted in {drill.stem}: the grader named {named}; {summary['first_failure']}"
 
 
@@ -76,7 +81,16 @@ def test_every_pitfall_on_the_page_is_planted_and_marked(drill):
 L1 = next(d for d in DRILLS if d.id == "l1")
 
 
-# A third of the profile's examples (6 on the CPU, 33 on a GPU): each one runs up to eleven kernels.
+# The two properties below run under the interpreter only. On a GPU several of the planted
+# mistakes race (programs that write one place, in no fixed order), so whether a random
+# case is evidence is itself random, and hypothesis rightly calls such a test flaky. The
+# diagnosis code is the same on both; on a GPU the planted-bug grading above checks it.
+_SEQUENTIAL = pytest.mark.skipif(not _env.INTERPRET, reason="planted mistakes race on a GPU: a random case is no "
+                                                           "evidence there (the planted-bug grading covers it)")
+
+
+# A third of the profile's examples (6 on the CPU): each one runs up to eleven kernels.
+@_SEQUENTIAL
 @settings(max_examples=max(settings.default.max_examples // 3, 2))
 @given(params=kv_write_params(), pitfall=st.sampled_from(sorted(L1.pitfalls)))
 def test_l1_diagnosis_names_the_planted_mistake_and_nothing_on_a_right_answer(device, params, pitfall):
@@ -166,6 +180,7 @@ def test_l2_diagnosis_never_names_a_pitfall_a_random_slip_is_not(tmp_path, devic
 F1 = next(d for d in DRILLS if d.id == "f1")
 
 
+@_SEQUENTIAL
 @settings(max_examples=max(settings.default.max_examples // 3, 2))  # each example runs up to eight kernels
 @given(params=f1_append_params(), pitfall=st.sampled_from(sorted(set(F1.pitfalls) - {"int32_offsets"})))
 def test_f1_diagnosis_names_the_planted_mistake_and_nothing_on_a_right_answer(device, params, pitfall):
