@@ -80,9 +80,8 @@ def describe_mistakes(drill, names):
 
 def known_mistakes(drill, outcome, got):
     """(found, undecided): the pitfalls whose planted variant, run on the same input,
-    produces exactly `got`, and those whose variant races on it (two runs differ: on a
-    GPU, programs that write one place in no fixed order), which are no evidence either
-    way. `outcome(module)` runs a module on that input and returns a tuple of tensors,
+    produces exactly `got`, and those whose variant races on it (on a GPU: its runs
+    differ, or it is known to race, `Pitfall.races`), whose mismatch is no evidence. `outcome(module)` runs a module on that input and returns a tuple of tensors,
     compared bit for bit. A variant that cannot run on it is no evidence."""
     found, undecided = [], []
     for name in drill.pitfalls:
@@ -93,10 +92,10 @@ def known_mistakes(drill, outcome, got):
             again = [] if _env.INTERPRET else [outcome(_wrong.variant(drill, name)) for _ in range(2)]
         except Exception:
             continue
-        if not all(_same_all(theirs, other) for other in again):
-            undecided.append(name)
-        elif _same_all(theirs, got):
+        if any(_same_all(got, out) for out in (theirs, *again)):
             found.append(name)
+        elif (drill.pitfalls[name].races and not _env.INTERPRET) or not all(_same_all(theirs, o) for o in again):
+            undecided.append(name)
     return found, undecided
 
 

@@ -29,10 +29,14 @@ class Pitfall:
     exist to catch it, and the diagnosis names it only on evidence. `crashes`: the
     mistake's known symptom is a crash (an offset far outside every tensor), so a
     crash in a test marked with it is evidence; for any other pitfall it is not.
+    `races`: on a GPU the mistake's programs write one place in no fixed order, so
+    its output there is one of several: a match names it, a mismatch is no evidence
+    against it (undecided).
     """
     says: str
     edits: tuple
     crashes: bool = False
+    races: bool = False
 
 
 @dataclass(frozen=True)

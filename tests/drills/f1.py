@@ -519,7 +519,8 @@ PITFALLS = {
              "page_iter = tl.load(kv_indptr_ptr + b + 1) - 1"),
             ("entry = pos % page_size", "entry = tl.load(kv_last_page_len_ptr + b) - 1"),
             ("batch_indices, positions, kv_indices, kv_indptr,\n",
-             "batch_indices, positions, kv_indices, kv_indptr, kv_last_page_len,\n"),)),
+             "batch_indices, positions, kv_indices, kv_indptr, kv_last_page_len,\n"),),
+        races=True),  # every token of a sequence writes the same entry
     "full_last_page_as_zero": Pitfall(
         says="kv_last_page_len is seq_len % page_size, so a full last page gets 0 instead of page_size", edits=(
             ("torch.where(seq_lens > 0, (seq_lens - 1) % page_size + 1, 0)", "seq_lens % page_size"),)),

@@ -353,7 +353,7 @@ PITFALLS = {
     "padding_written": Pitfall(says="padding tokens (slot -1) are not skipped: their rows are read, or written to just "
                                     "before the cache", edits=[
         ("keep = cols < tl.where(slot >= 0, HD, 0)", "keep = cols < HD"),
-    ]),
+    ], races=True),  # every padding token writes the one row before the cache
     "position_as_slot": Pitfall(says="the position is used as the slot: the block table is never consulted", edits=[
         ("return positions % block_size + block * block_size", "return positions.long()"),
     ]),
@@ -376,7 +376,7 @@ PITFALLS = {
         ("    HD,                        # num_kv_heads * head_size: one slot's length", "    HD, D,"),
         ("key.stride(0), value.stride(0), hd,", "key.stride(0), value.stride(0), hd, head_size,"),
         ("row = slot * HD + cols", "row = slot * D + cols"),
-    ]),
+    ], races=True),  # with H > 1, neighbouring slots' rows overlap
     "noncontiguous_cache_accepted": Pitfall(says="a non-contiguous cache is accepted instead of refused", edits=[
         ("        if not cache.is_contiguous():", "        if False:"),
     ]),
