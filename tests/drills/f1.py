@@ -493,7 +493,8 @@ PITFALLS = {
         says="the kernel starts sequence b's pages at kv_indptr[b + 1] instead of kv_indptr[b]: it writes into "
              "the next sequence's pages", edits=(
             ("page_iter = tl.load(kv_indptr_ptr + b) + pos // page_size",
-             "page_iter = tl.load(kv_indptr_ptr + b + 1) + pos // page_size"),)),
+             "page_iter = tl.load(kv_indptr_ptr + b + 1) + pos // page_size"),),
+        races=True),  # two sequences' tokens land on the same pages
     "layout_swapped": Pitfall(
         says="NHD and HND are swapped: the entry and head strides are exchanged", edits=(
             ("page_size, stride_entry, stride_head = k_cache.shape[1], k_cache.stride(1), k_cache.stride(2)",

@@ -356,7 +356,7 @@ PITFALLS = {
     ], races=True),  # every padding token writes the one row before the cache
     "position_as_slot": Pitfall(says="the position is used as the slot: the block table is never consulted", edits=[
         ("return positions % block_size + block * block_size", "return positions.long()"),
-    ]),
+    ], races=True),  # tokens of different sequences at one position share a slot
     "token_index_as_position": Pitfall(says="the token's index in the batch is used as its position in its sequence", edits=[
         ("    page = positions // block_size",
          "    positions = torch.arange(len(positions), device=positions.device)\n"
@@ -364,14 +364,14 @@ PITFALLS = {
     ]),
     "logical_as_physical": Pitfall(says="the logical block number is used as the physical block: the block table is never consulted", edits=[
         ("block = block_table[seq_idx, page].long()", "block = page.long()"),
-    ]),
+    ], races=True),  # sequences share logical block numbers, so they share slots
     "row_stride_ignored": Pitfall(says="key/value rows are read H*D apart instead of key_stride apart, so fused-QKV views read the wrong rows", edits=[
         ("key_ptr + token * key_stride + cols", "key_ptr + token * HD + cols"),
         ("value_ptr + token * value_stride + cols", "value_ptr + token * HD + cols"),
     ]),
     "unmasked_tail": Pitfall(says="the tile's tail past H*D is not masked and spills into the next slot", edits=[
         ("keep = cols < tl.where(slot >= 0, HD, 0)", "keep = cols < tl.where(slot >= 0, BLOCK, 0)"),
-    ]),
+    ], races=True),  # the spill lands on the next slot's row, which its own program writes
     "offset_without_heads": Pitfall(says="a slot's offset is computed as slot * D instead of slot * H * D", edits=[
         ("    HD,                        # num_kv_heads * head_size: one slot's length", "    HD, D,"),
         ("key.stride(0), value.stride(0), hd,", "key.stride(0), value.stride(0), hd, head_size,"),
