@@ -82,9 +82,9 @@ def test_nan_past_seq_len_in_the_last_block_is_not_loaded(drill, device):
 def test_row_that_sees_no_key_in_a_tile_stays_finite(drill, device, num_heads, num_kv_heads):
     """pitfall:masked_row_nan: prefixes of 63 and 79 tokens put query blocks right before
     tile boundaries, so a tile past a row's position holds no key it may see; its scores
-    are all -inf there, and that must not turn into NaN. Every sequence is 96 tokens, whole
-    blocks: no tail, no garbage block-table column."""
-    run(drill, _case(device, [33, 17, 1], [63, 79, 95], num_heads=num_heads, num_kv_heads=num_kv_heads,
+    are all -inf there, and that must not turn into NaN. The sequences (80, 96 and 16
+    tokens) are whole blocks: no tail, no garbage block-table column."""
+    run(drill, _case(device, [17, 17, 1], [63, 79, 15], num_heads=num_heads, num_kv_heads=num_kv_heads,
                      extra_columns=0, seed=5))
 
 
