@@ -39,7 +39,9 @@ TIMEOUT = float(os.environ.get("DRILLS_TIMEOUT", "60"))
 # process that forks after CUDA is initialised cannot use it, and there are few.
 _START_METHOD = "forkserver" if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0") else "spawn"
 if _START_METHOD == "forkserver":
-    mp.set_forkserver_preload(["_worker"])
+    # By name from site-packages: Python 3.11's fork server ignores our sys.path, so it
+    # could not import this module (it skips what it cannot import, silently).
+    mp.set_forkserver_preload(["torch", "triton", "torch.multiprocessing"])
 
 # Exceptions whose type means something to the tests come back as that type;
 # anything else comes back as LearnerError (so an AssertionError raised by the
