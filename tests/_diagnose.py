@@ -81,7 +81,8 @@ def describe_mistakes(drill, names):
 def known_mistakes(drill, outcome, got):
     """(found, undecided): the pitfalls whose planted variant, run on the same input,
     produces exactly `got`, and those whose variant races on it (on a GPU: its runs
-    differ, or it is known to race, `Pitfall.races`), whose mismatch is no evidence. `outcome(module)` runs a module on that input and returns a tuple of tensors,
+    differ, or it is known to race, `Pitfall.races`), whose mismatch is no evidence.
+    `outcome(module)` runs a module on that input and returns a tuple of tensors,
     compared bit for bit. A variant that cannot run on it is no evidence."""
     found, undecided = [], []
     for name in drill.pitfalls:

@@ -131,10 +131,13 @@ def caches_past_int32(block_size, num_kv_heads, head_size, device, dtype=torch.f
     try:
         if torch.device(device).type == "cpu":
             def make():
+                nbytes = math.prod(shape) * dtype.itemsize
+                if not hasattr(os, "memfd_create"):  # not Linux (macOS): every page reserved up front
+                    storage = torch.UntypedStorage._new_shared(nbytes)
+                    return torch.empty(0, dtype=dtype).set_(storage, 0, shape)
                 # A sparse file in memory: pages exist only once written, so the few slots a
                 # test touches cost what they hold, not 4 GiB (UntypedStorage._new_shared
-                # would reserve every page up front, which takes most of a second).
-                nbytes = math.prod(shape) * dtype.itemsize
+                # reserves every page up front, which takes most of a second).
                 fd = os.memfd_create("drills-cache-past-int32")
                 try:
                     os.ftruncate(fd, nbytes)
