@@ -241,10 +241,10 @@ def grade_variants(drills, folder, timeout):
     return grades
 
 
-def integrity():
+def integrity(root=ROOT):
     """Whether the test machinery is what the repository committed: (ok, sentence)."""
     check = subprocess.run(["git", "status", "--porcelain", "--untracked-files=all", "--", "tests", "grader.py",
-                            "pyproject.toml", "Makefile"], cwd=ROOT, capture_output=True, text=True)
+                            "pyproject.toml", "Makefile"], cwd=root, capture_output=True, text=True)
     if check.returncode != 0:
         return None, "cannot check that tests/ is the committed one (no git history here)"
     changed = [line[3:] for line in check.stdout.splitlines() if "__pycache__" not in line]

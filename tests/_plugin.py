@@ -10,7 +10,14 @@ import os
 import sys
 from pathlib import Path
 
-import _env  # noqa: F401  -- first: sets TRITON_INTERPRET before anything imports Triton
+# One thread per process, set before torch and numpy load their thread pools: the test
+# tensors are tiny, and a session runs several processes at once (the tests, the
+# learner's worker, the planted-bug grading and its worker). On 2 cores, pools of 2
+# threads each spun against each other: the suite took 115-123 s, with one thread 98 s.
+for _pool in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS"):
+    os.environ.setdefault(_pool, "1")
+
+import _env  # noqa: E402  -- first of ours: sets TRITON_INTERPRET before anything imports Triton
 import pytest
 from hypothesis import HealthCheck, Phase, settings
 

@@ -77,14 +77,12 @@ def test_changed_machinery_is_reported(tmp_path):
     cloned = subprocess.run(["git", "clone", "-q", str(ROOT), str(tmp_path / "repo")], capture_output=True)
     if cloned.returncode != 0 or not (tmp_path / "repo/tests/_grading.py").exists():
         pytest.skip("this copy of the repository has no git history of its own")
-    probe = [sys.executable, "-c", "import sys; sys.path.insert(0, 'tests'); import _grading; "
-             "print(_grading.integrity())"]
-    clean = subprocess.run(probe, cwd=tmp_path / "repo", capture_output=True, text=True)
-    assert clean.stdout.startswith("(True"), clean.stdout + clean.stderr
+    clean = _grading.integrity(tmp_path / "repo")
+    assert clean[0] is True, clean
     test_file = tmp_path / "repo" / "tests" / f"test_{L1.stem}.py"
     test_file.write_text(test_file.read_text().replace("def test_", "def skipped_"))
-    dirty = subprocess.run(probe, cwd=tmp_path / "repo", capture_output=True, text=True)
-    assert dirty.stdout.startswith("(False") and f"test_{L1.stem}.py" in dirty.stdout
+    dirty = _grading.integrity(tmp_path / "repo")
+    assert dirty[0] is False and f"test_{L1.stem}.py" in dirty[1], dirty
 
 
 # --- the worker: what a broken learner's module costs -------------------------
