@@ -88,10 +88,13 @@ def test_doctor_catches_an_interpreter_that_is_switched_off():
     assert "TRITON_INTERPRET" in result.stdout and "FAIL" in result.stdout
 
 
-def test_hints_come_one_at_a_time(clone):
-    first, second = grader("hint", "l1", cwd=clone), grader("hint", "l1", cwd=clone)
-    assert "hint 1 of" in first.stdout and "hint 2 of" in second.stdout
-    assert (clone / ".drills/hints.json").exists()
+def test_hints_come_one_at_a_time(here, tmp_path, monkeypatch):
+    import _commands
+
+    monkeypatch.setattr(_commands, "STATE", tmp_path / ".drills")  # not this checkout's progress
+    (_, first), (_, second) = here("hint", "l1"), here("hint", "l1")
+    assert "hint 1 of" in first and "hint 2 of" in second
+    assert (tmp_path / ".drills/hints.json").exists()
 
 
 def test_show_draws_the_reference_without_red_flags(here):
