@@ -29,11 +29,12 @@ import torch
 import torch.multiprocessing as mp
 
 ISOLATE = os.environ.get("DRILLS_ISOLATE", "1") != "0"
-# Seconds of the learner's code one test may use (DRILLS_TIMEOUT; make grade TIMEOUT=...).
+# Seconds of the learner's code one test (or hypothesis example) may use (DRILLS_TIMEOUT;
+# make grade TIMEOUT=...).
 TIMEOUT = float(os.environ.get("DRILLS_TIMEOUT", "60"))
 
 # Under the CPU interpreter a worker is forked from a fork server that has already
-# imported torch (about 0.1 s a worker instead of 2 s for a fresh interpreter). The
+# imported torch (a few ms a worker instead of 2 s for a fresh interpreter). The
 # server is itself a fresh interpreter, started once, so a worker inherits nothing of
 # the test process (no report key, no checks). On a GPU each worker is spawned: a
 # process that forks after CUDA is initialised cannot use it, and there are few.

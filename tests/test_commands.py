@@ -7,7 +7,7 @@ import sys
 import pytest
 import torch
 
-from _tree import ROOT
+from _tree import ROOT, load_front
 
 
 def grader(*args, cwd=ROOT, env=None):
@@ -19,11 +19,7 @@ def grader(*args, cwd=ROOT, env=None):
 def here(monkeypatch, capsys):
     """A command of this checkout's grader.py, run in this process (no new interpreter to
     start): (exit status, what it printed)."""
-    import importlib.util
-
-    spec = importlib.util.spec_from_file_location("drills_grader_front", ROOT / "grader.py")
-    front = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(front)
+    front = load_front()
     monkeypatch.setenv("COLUMNS", "160")
 
     def run(*args):

@@ -246,12 +246,8 @@ def test_l2_loading_the_whole_table_row_is_right_but_fails_its_test(tmp_path):
 def test_the_grade_computes_the_line_in_a_process_of_its_own_and_draws_it():
     from rich.console import Console
 
-    import importlib.util
-
-    from _tree import ROOT
-    spec = importlib.util.spec_from_file_location("grader", ROOT / "grader.py")
-    grader = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(grader)
+    from _tree import ROOT, load_front
+    grader = load_front()
 
     result = _traffic.in_subprocess(L2, ROOT / "solutions")
     assert result["tier"] == "at the roofline" and result["line"].startswith("L2  loads 1.00× the fewest bytes")
