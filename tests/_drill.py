@@ -1,11 +1,16 @@
 """What a drill is, as the shared machinery sees it. Names no drill.
 
-Each drill's own module (tests/drills/<id>.py) builds one `Drill` at its bottom;
+Each drill's folder (tests/drills/<id>/) builds one `Drill` in its __init__.py;
 tests/_manifest.py lists them in order. Everything that knows a drill hangs off
 its entry here, so the grader, the bench, the pictures and the planted-bug
 fixtures reach it through the entry, never by a name spelled in a string.
+
+`Planted` is the part of a drill its own checks need while they diagnose (its
+pitfalls and mistakes, and where they are planted and explained): a drill's
+`mistakes.py` builds it, its `checks.py` uses it, and its `__init__.py` builds the
+`Drill` from it, so no part of a drill imports the entry it is part of.
 """
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Callable
 
 ELEMENT_SIZE = {"float16": 2, "bfloat16": 2, "float32": 4}
@@ -49,6 +54,22 @@ class Mistake:
 
 
 @dataclass(frozen=True)
+class Planted:
+    """A drill's planted mistakes, as the diagnosis (tests/_diagnose.py) and the planting
+    (tests/_wrong.py) read them: the reference solutions/<stem>.py is where they are
+    planted, `section` the page's section that explains them."""
+    id: str
+    stem: str
+    section: str                  # e.g. "content/l1.md §8"
+    pitfalls: dict                # {name: Pitfall}
+    mistakes: dict = field(default_factory=dict)  # {name: Mistake}
+
+    def fields(self):
+        """Its fields as keyword arguments of `Drill` (not deep-copied, unlike asdict)."""
+        return {f.name: getattr(self, f.name) for f in fields(self)}
+
+
+@dataclass(frozen=True)
 class Drill:
     id: str
     stem: str
@@ -74,3 +95,7 @@ class Drill:
     @property
     def files(self):
         return (self.page, f"mine/{self.stem}.py", f"solutions/{self.stem}.py", f"tests/test_{self.stem}.py")
+
+    @property
+    def planted(self):
+        return Planted(self.id, self.stem, self.section, self.pitfalls, self.mistakes)
