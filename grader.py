@@ -9,8 +9,8 @@ and on a GPU the bandwidth report.
     python grader.py show|hint|reset|watch|diff l1, python grader.py doctor
                                               # see tests/_commands.py
 
-This file is the front: arguments, and the rendering of what the grading run
-(tests/_grading.py) returns. Each drill runs in a test process of its own and the
+This file is the front: arguments and the top-level flow; tests/_render.py draws
+what the grading run (tests/_grading.py) returns. Each drill runs in a test process of its own and the
 learner's code in a worker process behind it, with a time limit per test, so one
 broken kernel (exception, compile error, hang, crash) costs a test, not the grade.
 Exit status 0 only when every selected drill passes.
@@ -30,134 +30,9 @@ import _commands  # noqa: E402
 import _grading  # noqa: E402
 import _picture  # noqa: E402
 from _manifest import DRILLS, drill as find_drill  # noqa: E402
+from _process import stop_children_on_signals  # noqa: E402
+from _render import make_console, show  # noqa: E402
 from _tree import default_tree, tree_path  # noqa: E402
-from rich.console import Console  # noqa: E402
-from rich.panel import Panel  # noqa: E402
-from rich.table import Table  # noqa: E402
-from rich.text import Text  # noqa: E402
-
-STYLE = {"passed": "bold green", "failing": "bold red", "not started": "yellow"}
-
-
-def make_console():
-    # Off a terminal (make bench | tee, a CI log) rich would fall back to 80 columns and
-    # cut the report's cells; use a width that fits it.
-    return Console() if sys.stdout.isatty() else Console(width=int(os.environ.get("COLUMNS", 160)))
-
-
-def status_text(s):
-    label = {"passed": f"passed {s['passed']}/{s['total']}",
-             "not started": "not started",
-             "failing": f"failing {s['failed']} of {s['total']}"}[s["status"]]
-    return Text(label, style=STYLE[s["status"]])
-
-
-def show(console, grade):
-    console.print(f"[bold]drills[/] · tree [cyan]{grade['tree']}[/] · {grade['device']}")
-    if grade.get("integrity") and not grade["integrity"]["ok"]:
-        console.print(f"[bold yellow]warning:[/] {grade['integrity']['says']}")
-    table = Table(show_header=True, header_style="bold", box=None, padding=(0, 2))
-    for column in ("drill", "title", "status", "time"):
-        table.add_column(column)
-    for s in grade["drills"]:
-        table.add_row(s["id"].upper(), s["title"], status_text(s), f"{s['seconds']:.0f} s")
-    console.print(table)
-
-    for s in grade["drills"]:
-        if s["status"] == "not started":
-            console.print(f"\n[yellow]{s['id'].upper()} not started[/]: read {s['page']}, then write "
-                          f"{grade['tree_name']}/{s['stem']}.py and run [bold]make grade[/] again.")
-            break
-    for s in grade["drills"]:
-        if s["status"] == "failing":
-            console.print(_failure_panel(s))
-            if s.get("picture"):
-                console.print(Text.from_ansi(s["picture"]))
-
-    _traffic_lines(console, grade)
-    console.print()
-    if grade.get("bench_note"):
-        console.print(f"[dim]bandwidth: {grade['bench_note']}[/]")
-        return
-    _bench_table(console, grade)
-
-
-TIER_STYLE = {"at the roofline": "green", "fair": "yellow", "wasteful": "bold red", "not all counted": "yellow"}
-
-
-def _traffic_lines(console, grade):
-    """One line per drill: the bytes its traffic case moved against the fewest (CPU only)."""
-    rows = [s for s in grade["drills"] if s.get("traffic")]
-    if not rows:
-        return
-    console.print("\n[bold]traffic[/] · bytes each drill's traffic case moved in Triton's CPU interpreter, "
-                  "against the fewest the op needs (the bytes the GPU bandwidth report counts)")
-    for s in rows:
-        t = s["traffic"]
-        if "error" in t:
-            console.print(f"{s['id'].upper()}  [red]{t['error']}[/]")
-            continue
-        line = Text(t["line"].removesuffix(t["tier"]))
-        line.append(t["tier"], style=TIER_STYLE.get(t["tier"], ""))
-        console.print(line)
-        for where in t["where"]:
-            console.print(f"    [yellow]{where}[/]")
-
-
-def _failure_panel(s):
-    body = Text()
-    for finding in s.get("diagnosis", []):
-        body.append(f"looks like: {finding['says']} ({finding['section']}, pitfall:{finding['pitfall']})\n",
-                    style="bold yellow")
-    if s["problem"]:
-        body.append(s["problem"] + "\n", style="bold red")
-    first = s["first_failure"]
-    if first:
-        kind = {"crash": " (crashed)", "timeout": " (timed out)"}.get(first["kind"], "")
-        body.append(f"first failing test: {first['name']}{kind}\n", style="bold")
-        message = [line for line in first["message"].strip().splitlines()
-                   if not (s.get("diagnosis") and line.strip().startswith("looks like:"))]
-        body.append("\n".join(message) + "\n")
-        if first.get("where"):
-            body.append(f"at {first['where']}\n", style="dim")
-        if first.get("example") and first["kind"] != "not_implemented":
-            example = first["example"].strip().splitlines()
-            body.append("\n".join(example[:14]) + ("\n..." if len(example) > 14 else "") + "\n", style="dim")
-        for stream in ("stdout", "stderr"):
-            if first.get(stream):
-                body.append(f"your code printed ({stream}, last lines):\n{first[stream]}\n", style="dim")
-    body.append(f"read {s['page']}; run this drill alone with: python grader.py {s['id']}; "
-                f"a hint: python grader.py hint {s['id']}; one test with its output: "
-                f".venv/bin/pytest --tree=mine -m {s['id']} -x -s -k NAME", style="italic")
-    return Panel(body, title=f"{s['id'].upper()} {s['title']}: {s['failed']} of {s['total']} failing",
-                 border_style="red", expand=False)
-
-
-def _bench_table(console, grade):
-    console.print(f"[bold]bandwidth[/] · copy ceiling {grade['ceiling_gbps']:.0f} GB/s "
-                  f"(1 GiB device-to-device copy, measured here)")
-    table = Table(header_style="bold", box=None, padding=(0, 2))
-    for column in ("drill", "case", "µs", "rate", "of ceiling", "tier", "baseline", "its rate", "ours is"):
-        table.add_column(column, justify="right" if column not in ("drill", "case", "tier", "baseline") else "left")
-    for s in grade["drills"]:
-        bench = s.get("bench")
-        if not bench:
-            continue
-        if "error" in bench:
-            table.add_row(s["id"].upper(), "[red]bench failed[/]", bench["error"][:60])
-            continue
-        for case in bench["cases"]:
-            ours = case["ours"]
-            rate, unit = ("tflops", "TFLOP/s") if case.get("compute_bound") else ("gbps", "GB/s")
-            for i, (name, base) in enumerate(case["baselines"].items()):
-                first = i == 0
-                table.add_row(s["id"].upper() if first else "", case["name"] if first else "",
-                              f"{ours['us']:.1f}" if first else "", f"{ours[rate]:.0f} {unit}" if first else "",
-                              "" if not first or case.get("compute_bound") else f"{100 * ours['of_ceiling']:.1f} %",
-                              case["tier"] if first else "", name, f"{base[rate]:.0f} {unit}",
-                              f"{base['us'] / ours['us']:.2f}× faster")
-    console.print(table)
-
 
 COMMANDS = ("show", "hint", "reset", "doctor", "watch", "diff")
 
@@ -213,7 +88,7 @@ def main(argv=None):
     except (FileNotFoundError, KeyError) as error:
         console.print(f"[red]{error.args[0] if isinstance(error, KeyError) else error}[/]")
         return 2
-    _grading.stop_children_on_signals(lambda text: console.print(f"\n[bold red]{text}[/]"))
+    stop_children_on_signals(lambda text: console.print(f"\n[bold red]{text}[/]"))
     ok, says = _grading.integrity()
     grade = dict(tree=str(tree), tree_name=args.tree, device=_env.describe(), interpret=_env.INTERPRET, drills=[],
                  integrity=dict(ok=ok, says=says))

@@ -1,8 +1,8 @@
 """The bandwidth bench: each drill's bench cases on a GPU, against this GPU's
-measured copy ceiling and the plain-PyTorch baselines.
+measured copy ceiling and the plain-PyTorch baselines. Names no drill.
 
-    python tests/_bench.py --drill l1 --tree solutions   # one drill, printed as JSON
-    python tests/_bench.py --ceiling                     # the copy ceiling alone
+    python tests/_entry.py bench --drill l1 --tree solutions   # one drill, printed as JSON
+    python tests/_entry.py bench --ceiling                     # the copy ceiling alone
 
 grader.py runs it in a process of its own (`in_subprocess`, `ceiling_in_subprocess`). How it measures (METHOD.md's rules):
 - the ceiling is a 1 GiB device-to-device copy_ timed with events, outside a CUDA
@@ -13,7 +13,6 @@ grader.py runs it in a process of its own (`in_subprocess`, `ceiling_in_subproce
 - GB/s counts the fewest bytes the op must move (the manifest's `bytes`); a case whose
   FLOPs per byte put it past the ridge (prefill) is shown in TFLOP/s instead.
 """
-import argparse
 import json
 import math
 import sys
@@ -22,7 +21,7 @@ import _env
 import torch
 from triton.testing import do_bench, do_bench_cudagraph
 
-from _manifest import drill as find_drill
+from _process import run_process
 from _tree import load_drill
 
 TIERS = ((0.90, "at the roofline"), (0.75, "good"), (0.50, "fair"), (0.0, "slow"))
@@ -49,8 +48,7 @@ def tier(fraction):
     return next(name for floor, name in TIERS if fraction >= floor)
 
 
-def bench_drill(drill_id, tree, ceiling):
-    drill = find_drill(drill_id)
+def bench_drill(drill, tree, ceiling):
     module = load_drill(tree, drill.stem)
     l2 = torch.cuda.get_device_properties(0).L2_cache_size
     cases = []
@@ -80,8 +78,7 @@ def bench_drill(drill_id, tree, ceiling):
 
 def in_subprocess(drill, tree, ceiling, timeout):
     """The bench of one drill, run in a process of its own: its JSON, or {"error": ...}."""
-    from _grading import run_process
-    code, out, err = run_process([sys.executable, "tests/_bench.py", "--drill", drill.id, "--tree", str(tree),
+    code, out, err = run_process([sys.executable, "tests/_entry.py", "bench", "--drill", drill.id, "--tree", str(tree),
                                   "--ceiling-gbps", str(ceiling)], timeout)
     if code != 0:
         return {"error": "timed out" if code is None else "\n".join(err.strip().splitlines()[-6:])}
@@ -89,28 +86,7 @@ def in_subprocess(drill, tree, ceiling, timeout):
 
 
 def ceiling_in_subprocess(timeout):
-    from _grading import run_process
-    code, out, err = run_process([sys.executable, "tests/_bench.py", "--ceiling"], timeout)
+    code, out, err = run_process([sys.executable, "tests/_entry.py", "bench", "--ceiling"], timeout)
     if code != 0:
         raise RuntimeError(f"could not measure the copy ceiling: {err.strip()[-400:]}")
     return json.loads(out.strip().splitlines()[-1])["ceiling_gbps"]
-
-
-def main():
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--drill")
-    parser.add_argument("--tree", default="solutions")
-    parser.add_argument("--ceiling", action="store_true", help="measure the copy ceiling only")
-    parser.add_argument("--ceiling-gbps", type=float, help="use this ceiling instead of measuring it")
-    args = parser.parse_args()
-    if _env.INTERPRET:
-        sys.exit("the bandwidth bench needs a CUDA GPU; here kernels run in Triton's CPU interpreter")
-    ceiling = args.ceiling_gbps or copy_ceiling_gbps()
-    out = dict(device=_env.describe(), ceiling_gbps=round(ceiling, 1))
-    if not args.ceiling:
-        out["cases"] = bench_drill(args.drill, args.tree, ceiling)
-    print(json.dumps(out))
-
-
-if __name__ == "__main__":
-    main()

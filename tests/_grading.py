@@ -15,57 +15,19 @@ tests/test_wrong.py grades the planted bugs through it.
 """
 import os
 import secrets
-import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 
+import _wrong
+from _process import exit_name, run_process
 from _report import read_signed
 from _tree import ROOT
-from _worker import die_with_parent
 
-_CHILDREN = set()  # live process groups, killed on Ctrl-C or SIGTERM
 RESTARTS = 3       # fresh test processes after the test process itself dies
-
-
-def run_process(cmd, timeout, env=None, pass_fds=()):
-    """(returncode or None if killed at the time limit, stdout, stderr). The child runs in
-    a process group of its own, killed whole on timeout and on the grader's Ctrl-C."""
-    # One thread per child: the tensors are tiny, and two graders side by side on a
-    # 2-core machine would otherwise oversubscribe it several times over.
-    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, stdin=subprocess.DEVNULL,
-                            text=True, start_new_session=True, pass_fds=pass_fds, preexec_fn=die_with_parent,
-                            env={"OMP_NUM_THREADS": "1", **os.environ, **(env or {})})
-    _CHILDREN.add(proc.pid)
-    try:
-        out, err = proc.communicate(timeout=timeout)
-        return proc.returncode, out, err
-    except subprocess.TimeoutExpired:
-        _kill(proc.pid)
-        out, err = proc.communicate()
-        return None, out, err
-    finally:
-        _CHILDREN.discard(proc.pid)
-
-
-def _kill(pgid):
-    try:
-        os.killpg(pgid, signal.SIGKILL)
-    except ProcessLookupError:
-        pass
-
-
-def stop_children_on_signals(say):
-    """On Ctrl-C or SIGTERM: kill every test process group (and so their workers), say so, exit."""
-    def handler(signum, frame):
-        for pgid in list(_CHILDREN):
-            _kill(pgid)
-        say(f"stopped by {signal.Signals(signum).name}: killed {len(_CHILDREN)} test process group(s)")
-        sys.exit(128 + signum)
-    signal.signal(signal.SIGINT, handler)
-    signal.signal(signal.SIGTERM, handler)
 
 
 def _pytest(drills, tree, report, timeout, env, deselect, variants=None, select=None):
@@ -124,7 +86,7 @@ def run_tests(drills, tree, timeout, env=None, variants=None, select=None):
                 break
             # The test process itself died: report the test it died in, go on without it.
             dead = unfinished[-1] if unfinished else None
-            how = _exit_name(code)
+            how = exit_name(code)
             if dead is None:
                 problems.append(f"the test process ended ({how}) with no test running")
                 break
@@ -135,13 +97,6 @@ def run_tests(drills, tree, timeout, env=None, variants=None, select=None):
         else:
             problems.append(f"the test process died {RESTARTS + 1} times; the rest of the tests were not run")
     return records, problems
-
-
-def _exit_name(code):
-    try:
-        return f"killed by {signal.Signals(-code).name}" if code < 0 else f"exit code {code}"
-    except ValueError:
-        return f"signal {-code}"
 
 
 def summarize(drill, records, problems=()):
@@ -239,6 +194,40 @@ def grade_variants(drills, folder, timeout):
             tests = [t for t, v in collected if v == name and t.startswith(ours)]
             grades[drill.id, name] = summarize(drill, [dict(collected=tests)] + mine, problems)
     return grades
+
+
+_GRADING = {}  # the grading of every planted bug, once started: thread, then result or error
+
+
+def start_grading(drills, timeout=900):
+    """Plant every pitfall and mistake of `drills` and grade them all in one test process
+    (grade_variants), from a thread: the call returns at once, and the test session
+    goes on with its other tests on the other core meanwhile. `graded` waits for it."""
+    if _GRADING:
+        return
+    folder = _wrong.folder() / "graded"
+    for drill in drills:
+        for name in (*drill.pitfalls, *drill.mistakes):
+            _wrong.plant(drill, name, folder / drill.stem / name)
+
+    def grade():
+        try:
+            _GRADING["result"] = grade_variants(drills, folder, timeout)
+        except BaseException as error:  # handed to whoever waits for the result
+            _GRADING["error"] = error
+    # A daemon thread: a session that ends early (pytest -x) does not wait for it, and
+    # the test process it started dies with this one (its parent-death signal).
+    _GRADING["thread"] = threading.Thread(target=grade, name="planted-bug grading", daemon=True)
+    _GRADING["thread"].start()
+
+
+def graded(drills):
+    """{(drill id, name): summary} of every planted bug of `drills`, once graded."""
+    start_grading(drills)
+    _GRADING["thread"].join()
+    if "error" in _GRADING:
+        raise _GRADING["error"]
+    return _GRADING["result"]
 
 
 def integrity(root=ROOT):

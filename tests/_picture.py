@@ -6,7 +6,7 @@ a process of its own for the grade, since the learner's code may crash.
 import sys
 from pathlib import Path
 
-from _grading import run_process
+from _process import run_process
 
 
 def in_subprocess(drill, tree, width, color, workdir):

@@ -107,9 +107,9 @@ def pytest_collection_finish(session):
     # Grading the planted bugs takes a test process of its own for a minute or more: start
     # it now, so that it runs beside the other tests rather than after them.
     if any("planted_grades" in getattr(item, "fixturenames", ()) for item in session.items):
-        import _wrong
+        import _grading
 
-        _wrong.start_grading(DRILLS)
+        _grading.start_grading(DRILLS)
 
 
 def pytest_runtest_setup(item):

@@ -16,7 +16,6 @@ that very argument.
 DRILLS_ISOLATE=0 runs the module in the test process instead (handy with a
 debugger); the grade always isolates.
 """
-import ctypes
 import io
 import os
 import signal
@@ -27,6 +26,8 @@ import traceback
 
 import torch
 import torch.multiprocessing as mp
+
+from _process import die_with_parent
 
 ISOLATE = os.environ.get("DRILLS_ISOLATE", "1") != "0"
 # Seconds of the learner's code one test (or hypothesis example) may use (DRILLS_TIMEOUT;
@@ -94,12 +95,12 @@ class Worker:
 
     def call(self, tree, stem, name, args, kwargs, traffic=False):
         """name(*args, **kwargs) of the tree's module, run in the worker. With traffic=True,
-        run it with its kernels' loads and stores counted (tests/_traffic.py) and return
+        run it with its kernels' loads and stores counted (tests/_counting.py) and return
         (result, Traffic): the counting happens in the worker, where the kernels run."""
         if self.proc is None or not self.proc.is_alive():
             self.stop()
             self.start()
-        flat = _tensors((args, kwargs))
+        flat = flatten_tensors((args, kwargs))
         started = time.monotonic()
         try:
             self.conn.send(("call", str(tree), stem, name, args, kwargs, traffic))
@@ -205,14 +206,14 @@ def tree_module(tree, stem):
     return load_drill(str(tree), stem)
 
 
-def _tensors(obj):
+def flatten_tensors(obj):
     """Every tensor in a nest of tuples, lists and dicts, in order."""
     if isinstance(obj, torch.Tensor):
         return [obj]
     if isinstance(obj, (tuple, list)):
-        return [t for x in obj for t in _tensors(x)]
+        return [t for x in obj for t in flatten_tensors(x)]
     if isinstance(obj, dict):
-        return [t for x in obj.values() for t in _tensors(x)]
+        return [t for x in obj.values() for t in flatten_tensors(x)]
     return []
 
 
@@ -279,20 +280,20 @@ def _serve(conn, path):
                 conn.send(("phase", f"{name}()"))
                 if traffic:
                     # The counters live in this process, beside the learner's code: a hostile
-                    # file could patch the interpreter, tests/_traffic.py or numpy here and
+                    # file could patch the interpreter, tests/_counting.py or numpy here and
                     # report what it likes, or do its work in PyTorch ops we never see (the
                     # report then says fewer bytes than the op needs). What it cannot do is
                     # touch the test process's checks: it only chooses the numbers it sends. So a
                     # file that fakes its counts can pass a forbidden-read test and show a good
                     # traffic line; the value checks, made in the test process, it cannot pass.
-                    import _traffic
-                    result, counts = _traffic.measure_here(getattr(module, name), _tensors((args, kwargs)),
+                    import _counting  # numpy and Triton's interpreter hooks: only when counting
+                    result, counts = _counting.measure_here(getattr(module, name), flatten_tensors((args, kwargs)),
                                                            *args, **kwargs)
                 else:
                     result = getattr(module, name)(*args, **kwargs)
                 if torch.cuda.is_available() and torch.cuda.is_initialized():
                     torch.cuda.synchronize()
-                reply = ("ok", _by_reference(result, _tensors((args, kwargs))))
+                reply = ("ok", _by_reference(result, flatten_tensors((args, kwargs))))
                 if traffic:
                     reply = ("ok", (reply[1], counts))
             except BaseException as error:  # the learner's code may raise anything, SystemExit included
@@ -319,15 +320,6 @@ def _where(error, tree):
     """The last line of the tree's own code the exception passed through."""
     frames = [f for f in traceback.extract_tb(error.__traceback__) if f.filename.startswith(tree)]
     return f"{frames[-1].filename}:{frames[-1].lineno}: {frames[-1].line}" if frames else None
-
-
-def die_with_parent():
-    """Ask Linux to kill this process when its parent dies (Ctrl-C, a grader's kill, the
-    out-of-memory killer), so nothing the grade started outlives it."""
-    try:
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
-    except (OSError, AttributeError):
-        pass
 
 
 class _Captured:

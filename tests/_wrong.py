@@ -10,12 +10,12 @@ The diagnosis runs these variants on a learner's failing input, in a worker
 process of their own (not the learner's, which could tamper with them): a variant
 may index out of range or write far outside a tensor on that input, and on a GPU
 that kills the process's CUDA context. tests/test_wrong.py grades each one, in a
-test process started as soon as the session knows it needs them (start_grading).
+test process started as soon as the session knows it needs them
+(tests/_grading.py, start_grading).
 """
 import atexit
 import shutil
 import tempfile
-import threading
 from pathlib import Path
 
 from _tree import ROOT
@@ -23,7 +23,6 @@ from _worker import TreeModule, Worker
 
 _FOLDER = None  # where this process plants the variants it loads; removed at exit
 _VARIANTS = Worker()  # runs them
-_GRADING = {}  # the grading of every planted bug, once started: thread, then result or error
 
 
 def edits_of(drill, name):
@@ -50,7 +49,8 @@ def plant_edits(drill, edits, folder, name="edits"):
     return folder
 
 
-def _folder():
+def folder():
+    """Where this process plants the variants it loads (removed at exit)."""
     global _FOLDER
     if _FOLDER is None:
         _FOLDER = Path(tempfile.mkdtemp(prefix="drills-wrong-"))
@@ -60,39 +60,7 @@ def _folder():
 
 def variant(drill, name):
     """The module of the reference with `name` planted, run in the variants' worker."""
-    folder = _folder() / drill.id / name
-    if not (folder / f"{drill.stem}.py").exists():
-        plant(drill, name, folder)
-    return TreeModule(folder, drill.stem, _VARIANTS)
-
-
-def start_grading(drills, timeout=900):
-    """Plant every pitfall and mistake of `drills` and grade them all in one test process
-    (tests/_grading.py), from a thread: the call returns at once, and the test session
-    goes on with its other tests on the other core meanwhile. `graded` waits for it."""
-    if _GRADING:
-        return
-    folder = _folder() / "graded"
-    for drill in drills:
-        for name in (*drill.pitfalls, *drill.mistakes):
-            plant(drill, name, folder / drill.stem / name)
-
-    def grade():
-        import _grading  # not at the top: _grading's report imports the diagnosis, which imports this module
-        try:
-            _GRADING["result"] = _grading.grade_variants(drills, folder, timeout)
-        except BaseException as error:  # handed to whoever waits for the result
-            _GRADING["error"] = error
-    # A daemon thread: a session that ends early (pytest -x) does not wait for it, and
-    # the test process it started dies with this one (its parent-death signal).
-    _GRADING["thread"] = threading.Thread(target=grade, name="planted-bug grading", daemon=True)
-    _GRADING["thread"].start()
-
-
-def graded(drills):
-    """{(drill id, name): summary} of every planted bug of `drills`, once graded."""
-    start_grading(drills)
-    _GRADING["thread"].join()
-    if "error" in _GRADING:
-        raise _GRADING["error"]
-    return _GRADING["result"]
+    where = folder() / drill.id / name
+    if not (where / f"{drill.stem}.py").exists():
+        plant(drill, name, where)
+    return TreeModule(where, drill.stem, _VARIANTS)

@@ -8,6 +8,7 @@ import triton
 import triton.language as tl
 
 import _env
+import _counting
 import _traffic
 import _wrong
 from _manifest import drill as find_drill
@@ -36,12 +37,12 @@ def _launch(x, y):
 def test_the_interpreter_still_has_the_hooks():
     """Fails loudly (naming the hook) the day Triton renames or reshapes one, on this
     machine's Triton."""
-    _traffic.interpreter()
+    _counting.interpreter()
 
 
 def test_a_small_kernel_is_counted_exactly():
     x, y = torch.arange(12, dtype=torch.float16), torch.zeros(12, dtype=torch.float16)
-    _, counted = _traffic.measure_here(_launch, [x, y], x, y)
+    _, counted = _counting.measure_here(_launch, [x, y], x, y)
     read, written = counted.tensors
     # Per program: 10 lanes of 2 bytes, then x[0..2] (3 distinct addresses); two programs.
     assert (read.loaded, read.distinct_loaded, read.reread, read.stored) == (2 * (20 + 6), 20, 32, 0)
@@ -62,16 +63,16 @@ def test_the_worker_counts_and_sends_the_counts_back():
 
 
 def test_a_renamed_hook_fails_loudly(monkeypatch):
-    module = _traffic.interpreter()
+    module = _counting.interpreter()
     monkeypatch.delattr(module.InterpreterBuilder, "create_masked_load")
-    with pytest.raises(_traffic.TrafficUnavailable, match="create_masked_load"):
-        _traffic.interpreter()
+    with pytest.raises(_counting.TrafficUnavailable, match="create_masked_load"):
+        _counting.interpreter()
 
 
 def test_loads_routed_around_the_hook_fail_loudly_not_as_zero_bytes(monkeypatch):
     """If Triton stopped funnelling plain loads and stores through the masked ones, the
     report would read zero bytes: it must raise instead."""
-    module = _traffic.interpreter()
+    module = _counting.interpreter()
     from triton._C.libtriton import interpreter as native  # what the builder calls underneath
     import numpy as np
 
@@ -93,8 +94,8 @@ def test_loads_routed_around_the_hook_fail_loudly_not_as_zero_bytes(monkeypatch)
         tl.store(y_ptr + i, tl.load(x_ptr + i))
 
     x, y = torch.ones(16), torch.zeros(16)
-    with pytest.raises(_traffic.TrafficUnavailable, match="no load or store reached"):
-        _traffic.measure_here(lambda: unmasked_copy[(1,)](x, y, BLOCK=16), [x, y])
+    with pytest.raises(_counting.TrafficUnavailable, match="no load or store reached"):
+        _counting.measure_here(lambda: unmasked_copy[(1,)](x, y, BLOCK=16), [x, y])
     assert torch.equal(y, x)
 
 
@@ -246,8 +247,8 @@ def test_l2_loading_the_whole_table_row_is_right_but_fails_its_test(tmp_path):
 def test_the_grade_computes_the_line_in_a_process_of_its_own_and_draws_it():
     from rich.console import Console
 
-    from _tree import ROOT, load_front
-    grader = load_front()
+    import _render
+    from _tree import ROOT
 
     result = _traffic.in_subprocess(L2, ROOT / "solutions")
     assert result["tier"] == "at the roofline" and result["line"].startswith("L2  loads 1.00× the fewest bytes")
@@ -256,7 +257,7 @@ def test_the_grade_computes_the_line_in_a_process_of_its_own_and_draws_it():
     wasteful = dict(result, tier="wasteful", line=result["line"].replace("at the roofline", "wasteful"),
                     where=["K and V are read 4× — once per query head"])
     console = Console(record=True, width=200)
-    grader._traffic_lines(console, dict(drills=[dict(id="l2", traffic=wasteful), dict(id="l1", traffic=None)]))
+    _render._traffic_lines(console, dict(drills=[dict(id="l2", traffic=wasteful), dict(id="l1", traffic=None)]))
     text = console.export_text()
     assert text.count("loads ") == 1 and "· wasteful" in text and "once per query head" in text
 

@@ -11,6 +11,7 @@ import torch
 from hypothesis import assume, given, settings, strategies as st
 
 import _env
+import _grading
 import _wrong
 from _diagnose import Mismatch, explain_error
 from _manifest import DRILLS
@@ -26,8 +27,8 @@ CASES = [(d, name) for d in DRILLS for name in (*d.pitfalls, *d.mistakes)]
 def planted_grades():
     """Every planted bug of every drill, graded in one test process of its own, each bug
     against the tests that can reveal it. The plugin starts this grading when the test
-    session is collected, so it runs beside the other tests (tests/_wrong.py)."""
-    return _wrong.graded(DRILLS)
+    session is collected, so it runs beside the other tests (tests/_grading.py)."""
+    return _grading.graded(DRILLS)
 
 
 @pytest.mark.parametrize("case", [c for c in CASES if c[1] in c[0].pitfalls],

@@ -1,0 +1,46 @@
+"""The processes the grade runs apart from the tests, each reading the manifest (this is
+part of the front, like grader.py and tests/_plugin.py: the shared modules below it are
+handed the drill they work on and never read the manifest).
+
+    python tests/_entry.py traffic l2 TREE                      # the drill's traffic report, as JSON
+    python tests/_entry.py bench --drill l1 --tree solutions    # the drill's bench on a GPU, as JSON
+    python tests/_entry.py bench --ceiling                      # this GPU's copy ceiling alone
+"""
+import argparse
+import json
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import _env  # noqa: E402  -- first: the interpreter decision
+from _manifest import drill as find_drill  # noqa: E402
+
+
+def traffic(argv):
+    from _worker import WORKER, tree_module
+    entry = find_drill(argv[0])
+    try:
+        print(json.dumps(entry.traffic(tree_module(argv[1], entry.stem))))
+    finally:
+        WORKER.stop()
+
+
+def bench(argv):
+    parser = argparse.ArgumentParser(prog="tests/_entry.py bench")
+    parser.add_argument("--drill")
+    parser.add_argument("--tree", default="solutions")
+    parser.add_argument("--ceiling", action="store_true", help="measure the copy ceiling only")
+    parser.add_argument("--ceiling-gbps", type=float, help="use this ceiling instead of measuring it")
+    args = parser.parse_args(argv)
+    if _env.INTERPRET:
+        sys.exit("the bandwidth bench needs a CUDA GPU; here kernels run in Triton's CPU interpreter")
+    import _bench
+    ceiling = args.ceiling_gbps or _bench.copy_ceiling_gbps()
+    out = dict(device=_env.describe(), ceiling_gbps=round(ceiling, 1))
+    if not args.ceiling:
+        out["cases"] = _bench.bench_drill(find_drill(args.drill), args.tree, ceiling)
+    print(json.dumps(out))
+
+
+if __name__ == "__main__":
+    {"traffic": traffic, "bench": bench}[sys.argv[1]](sys.argv[2:])
