@@ -1,0 +1,105 @@
+"""L2's traffic report (tests/_traffic.py): the traffic case, its fewest bytes tensor by
+tensor, where a kernel's extra bytes went, and the check that counts block-table reads."""
+import torch
+
+from _diagnose import Mismatch
+from _drill import ELEMENT_SIZE
+from _paged import DTYPES, owned_columns, poisoned_out
+from _traffic import Part, measure, report, was_read
+
+from .bench import decode_bytes
+from .cases import paged_decode_case
+from .checks import check_paged_decode
+from .mistakes import PLANTED
+
+# The bench's shape (32 query heads over 8 KV heads, D = 128, blocks of 16, one
+# context for every sequence) shrunk to interpreter size: the same GQA group of 4, a
+# partial last block, and garbage block-table columns past it.
+TRAFFIC_CASE = dict(num_seqs=4, num_heads=8, num_kv_heads=2, head_size=32, context=72, block_size=16,
+                    dtype="float16")
+
+
+def traffic_case(device="cpu"):
+    p = TRAFFIC_CASE
+    return paged_decode_case([p["context"]] * p["num_seqs"], num_heads=p["num_heads"], num_kv_heads=p["num_kv_heads"],
+                             head_size=p["head_size"], block_size=p["block_size"], dtype=DTYPES[p["dtype"]],
+                             extra_columns=2, device=device, seed=5)
+
+
+def garbage_entries_read(case, traffic, record=3):
+    """(sequence, column) of every block-table entry past a sequence's last block that was
+    loaded: those entries are garbage (design.md), and reading one is reads_past_seq_len."""
+    owned = owned_columns(case.seq_lens, case.block_size, case.block_table.shape[1])
+    return [(b, c) for b, c in (~owned).nonzero().tolist()
+            if was_read(traffic.tensors[record], case.block_table[b, c])]
+
+
+def check_table_read_only_to_last_block(module, case):
+    """Run paged_decode_attention on `case` with its loads counted: no block-table entry past
+    a sequence's last block may be loaded, even when the K/V loads are masked so that the
+    answer comes out right (design.md: those entries are garbage). Returns False where
+    nothing can be counted (a GPU), True when checked."""
+    out = poisoned_out(case.query.shape, case.query.dtype, case.query.device, torch.Generator().manual_seed(0))
+    returned, counted = measure(module, "paged_decode_attention", *case.args(), **case.kwargs(), out=out.view)
+    if counted is None:
+        return False
+    garbage = garbage_entries_read(case, counted)
+    if garbage:
+        b, c = garbage[0]
+        raise Mismatch(f"block_table[{b}, {c}] was loaded, but sequence {b} has seq_len {int(case.seq_lens[b])}: its "
+                       f"last block is column {-(-int(case.seq_lens[b]) // case.block_size) - 1}, and the entries "
+                       f"past it are garbage ({len(garbage)} such entries loaded); mask the block-table load with "
+                       f"pos < seq_len (content/l2.md §7)", ["reads_past_seq_len"])
+    check_paged_decode(case, out, returned)
+    return True
+
+
+def traffic_parts(p):
+    """The fewest bytes of a decode step, tensor by tensor; they sum to decode_bytes (the
+    bandwidth report's count). The indices are the tensors' places in the call."""
+    size = ELEMENT_SIZE[p["dtype"]]
+    kv = 2 * p["num_seqs"] * p["context"] * p["num_kv_heads"] * p["head_size"] * size
+    rows = p["num_seqs"] * p["num_heads"] * p["head_size"] * size
+    parts = [Part("K/V", (1, 2), fewest_loaded=kv), Part("query", (0,), fewest_loaded=rows),
+             Part("block table", (3,), fewest_loaded=4 * p["num_seqs"] * -(-p["context"] // p["block_size"])),
+             Part("seq_lens", (4,), fewest_loaded=4 * p["num_seqs"]),
+             Part("out", (5,), fewest_stored=rows)]
+    assert sum(x.fewest_loaded + x.fewest_stored for x in parts) == decode_bytes(**p)
+    return parts
+
+
+def traffic_where(result, case, counted, section):
+    """Where a decode kernel's extra bytes went, in the words of content/l2.md."""
+    group = case.query.shape[1] // case.k_cache.shape[2]
+    kv, table = result["parts"]["K/V"], result["parts"]["block table"]
+    where = []
+    if kv > 1.5 and group > 1 and abs(kv - group) < 0.25 * group:
+        where.append(f"K and V are read {kv:.0f}× — once per query head; content/l2.md §5 reads them once per "
+                     f"KV head, for its {group} query heads at once (GQA)")
+    elif kv > 1.05:
+        where.append(f"K and V are read {kv:.2f}× their size: each cached token's K/V once per KV head is enough")
+    # Each KV head's program reads its sequence's owned entries once: H_kv× a tiny table.
+    if table > 2 * max(kv, 1) * case.k_cache.shape[2]:
+        where.append(f"the block table was read once per token instead of once per block ({table:.0f}× its owned "
+                     f"entries): load a tile's entries in one tl.load, lanes of one block share an entry")
+    garbage = garbage_entries_read(case, counted)
+    if garbage:
+        where.append(f"block-table entries past a sequence's last block were read ({len(garbage)} of them, first: "
+                     f"sequence {garbage[0][0]}, column {garbage[0][1]}): they are garbage; mask the table load "
+                     f"with pos < seq_len ({section}, pitfall:reads_past_seq_len)")
+    if result["parts"]["query"] > 1.05:
+        where.append(f"the query was read {result['parts']['query']:.2f}×: each program reads its heads' rows once")
+    return where
+
+
+def traffic(module):
+    """paged_decode_attention on TRAFFIC_CASE, its bytes against decode_bytes (the bandwidth
+    report's count), with where the extra bytes went in L2's words."""
+    case = traffic_case()
+    out = torch.empty_like(case.query)
+    _, counted = measure(module, "paged_decode_attention", *case.args(), out=out)
+    if counted is None:
+        return None
+    result = report(PLANTED.id, counted, traffic_parts(TRAFFIC_CASE))
+    result["where"] = traffic_where(result, case, counted, PLANTED.section) + result["where"]
+    return result
