@@ -1,0 +1,87 @@
+"""L4's page checks: every number content/l4.md states that code can compute, and its
+traffic line; PAGE_CHECKS in the order the drill runs them."""
+import math
+import re
+
+import torch
+
+from _traffic import check_page_line
+from _tree import load_drill
+
+from .cases import SELF_TEST_MERGE, merge_example_numbers
+from .reference import LN2, chunk_bounds, ref_merge
+from .traffic import TRAFFIC_CASE, traffic
+
+
+# ---------------------------------------------------------------------------
+# Page checks: every number the page states that code can compute
+
+
+def _on_page(text, value, digits, what):
+    shown = f"{value:.{digits}f}"
+    assert shown in text, f"content/l4.md should show {what} = {shown}"
+
+
+def check_worked_example(text):
+    """§3: the two chunks' (v, s), the weights, the merged (v, s), L2's whole-row answer
+    (the same), and what the base-2 mistake gives instead."""
+    n = merge_example_numbers()
+    for key, what in (("s_a", "chunk A's LSE"), ("v_a", "chunk A's output"), ("s_b", "chunk B's LSE"),
+                      ("v_b", "chunk B's output"), ("w_a", "chunk A's weight"), ("w_b", "chunk B's weight"),
+                      ("s", "the merged LSE"), ("v", "the merged output"), ("base2_v", "the base-2 mistake")):
+        _on_page(text, n[key], 4, what)
+    assert abs(n["v"] - n["whole"]) < 1e-12
+
+
+def check_occupancy(text):
+    """§2: the program counts, for the bench shapes on an H200 (132 SMs), and the split
+    counts default_num_splits gives (4 · SMs // (B · H_kv), at most 32, at least 1)."""
+    sms = 132
+    for num_seqs, splits in ((8, 8), (64, 1), (16, 4), (1, 32)):
+        assert max(1, min(32, 4 * sms // (num_seqs * 8))) == splits
+    for line in ("8 × 8 = 64", "64 × 8 = 512", "4 × 132 ÷ 64", "4 × 132 ÷ 512"):
+        assert line in text, f"content/l4.md §2 should show {line}"
+
+
+def check_numbers_in_prose(text):
+    """§2, §3, §5.1 and §8: the bytes per program and of the partials, the chunks of the
+    §5.1 example, the weights of the base-2 mistake and of the float16 merge."""
+    assert 4096 * 128 * 2 * 2 == 2 * 2**20 and "共 2 MiB" in text  # K and V of one KV head of one sequence
+    partials = 8 * 32 * 8 * (128 + 1) * 4
+    assert abs(partials / 2**20 - 1) < 0.01 and "约 1 MiB" in text
+    assert chunk_bounds(200, 4, 64) == [(0, 64), (64, 128), (128, 192), (192, 200)]
+    assert "⌈200 / 4⌉ = 50" in text and "[0, 64)、[64, 128)、[128, 192)、[192, 200)" in text
+    assert [end > start for start, end in chunk_bounds(5, 4, 64)] == [True, False, False, False]
+    _on_page(text, 1 / LN2, 4, "1 / ln 2")
+    w_a = 1 / (1 + math.exp(1 / LN2))  # the chunks' LSEs differ by 1; read in base 2 the gap is 1 / ln 2
+    _on_page(text, w_a, 4, "chunk A's weight under the base-2 mistake")
+    _on_page(text, 1 - w_a, 4, "chunk B's weight under the base-2 mistake")
+    w_b = 1 / (1 + math.exp(-0.25))  # s = 1000 and 1000.25
+    _on_page(text, w_b, 4, "the float16 test's right weight of side b")
+    _on_page(text, 1 - w_b, 4, "the float16 test's right weight of side a")
+    assert torch.tensor(1000.25, dtype=torch.float16).item() == 1000.0  # float16 spacing near 1000 is 0.5
+    assert math.isinf(torch.tensor(60000.0, dtype=torch.float16) + torch.tensor(60000.0, dtype=torch.float16))
+
+
+def check_self_tests(text):
+    """§9's answers."""
+    t = SELF_TEST_MERGE
+    v, s = ref_merge(t["v_a"], t["s_a"], t["v_b"], t["s_b"])
+    assert abs(v - 4.0) < 1e-12 and abs(s - math.log(9)) < 1e-12
+    _on_page(text, s, 4, "self-test 1's merged LSE (ln 9)")
+    _on_page(text, 3 * LN2, 4, "self-test 2's FlashInfer LSE 3 in natural log")
+    assert max(1, min(32, 4 * 132 // (16 * 8))) == 4 and "4 × 132 ÷ 128" in text
+    assert re.search(r"v = 0.*s = −?-?inf", text)
+
+
+# ---------------------------------------------------------------------------
+
+def check_traffic_line(text):
+    """§1's traffic line is what the reference's traffic case gives (run here, in the
+    CPU interpreter; on a GPU there is nothing to count), and the case is the one described."""
+    p = TRAFFIC_CASE
+    assert (p["num_seqs"], p["context"], p["num_splits"]) == (2, 200, 4) and "两条序列、上下文 200、分 4 段" in text
+    check_page_line(text, "l4", traffic(load_drill("solutions", "l4_split_kv_decode")))
+
+
+PAGE_CHECKS = (check_traffic_line, check_worked_example, check_occupancy, check_numbers_in_prose, check_self_tests)
