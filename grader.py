@@ -30,9 +30,10 @@ import _commands  # noqa: E402
 import _grading  # noqa: E402
 import _picture  # noqa: E402
 from _manifest import DRILLS, drill as find_drill  # noqa: E402
-from _process import stop_children_on_signals  # noqa: E402
+from _process import become_subreaper, kill_leftovers, stop_children_on_signals  # noqa: E402
 from _render import make_console, show  # noqa: E402
 from _tree import default_tree, tree_path  # noqa: E402
+from _worker import SANDBOX  # noqa: E402
 
 COMMANDS = ("show", "hint", "reset", "doctor", "watch", "diff")
 
@@ -90,7 +91,8 @@ def main(argv=None):
         return 2
     stop_children_on_signals(lambda text: console.print(f"\n[bold red]{text}[/]"))
     ok, says = _grading.integrity()
-    grade = dict(tree=str(tree), tree_name=args.tree, device=_env.describe(), interpret=_env.INTERPRET, drills=[],
+    grade = dict(tree=str(tree), tree_name=args.tree, device=_env.describe(), interpret=_env.INTERPRET, sandbox=SANDBOX,
+                 drills=[],
                  integrity=dict(ok=ok, says=says))
     with console.status("grading...") as spinner, tempfile.TemporaryDirectory() as workdir:
         for drill in drills:
@@ -123,6 +125,8 @@ def main(argv=None):
                 if s["status"] == "passed":
                     spinner.update(f"timing {drill.id.upper()}...")
                     s["bench"] = _bench.in_subprocess(drill, tree, grade["ceiling_gbps"], args.timeout)
+    # Nothing the learner's code started may outlive the grade and touch what it writes.
+    grade["leftover_processes_killed"] = kill_leftovers()
     show(console, grade)
     if args.json:
         Path(args.json).write_text(json.dumps(grade, indent=2) + "\n")
@@ -130,4 +134,5 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
+    become_subreaper()  # a process of its own: what the grade starts, however detached, ends with it
     sys.exit(main())

@@ -76,6 +76,17 @@ class TensorTraffic:
         """Bytes loaded again after their first load."""
         return self.loaded - self.distinct_loaded
 
+    def to_data(self):
+        """As numbers and tensors, which is all a worker's reply may hold (tests/_data.py)."""
+        import torch
+        arrays = [None if a is None else torch.from_numpy(a) for a in (self.read, self.written)]
+        return (self.loaded, self.stored, self.distinct_loaded, self.distinct_stored, *arrays)
+
+    @classmethod
+    def from_data(cls, data):
+        *counts, read, written = data
+        return cls(*counts, *[None if t is None else t.numpy() for t in (read, written)])
+
 
 @dataclass
 class Traffic:
@@ -89,6 +100,17 @@ class Traffic:
     @property
     def loaded(self):
         return sum(t.loaded for t in self.tensors) + self.scratch.loaded + self.outside.loaded
+
+    def to_data(self):
+        return ([t.to_data() for t in self.tensors], self.scratch.to_data(), self.outside.to_data(), self.launches)
+
+    @classmethod
+    def from_data(cls, data):
+        if data is None:
+            return None
+        tensors, scratch, outside, launches = data
+        return cls([TensorTraffic.from_data(t) for t in tensors], TensorTraffic.from_data(scratch),
+                   TensorTraffic.from_data(outside), launches)
 
     @property
     def stored(self):

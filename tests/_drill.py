@@ -86,6 +86,7 @@ class Drill:
     draw_case: Callable = None   # (saved case, console) -> None: draw a failing case the tests saved
     page_checks: tuple = ()      # functions(page text) that recompute every number the page works out
     fixture_checks: tuple = ()   # functions(device) that check the drill's own case builders
+    torch_only: tuple = ()       # functions of the contract written in plain PyTorch (no kernel need run)
     traffic: Callable = None     # (module) -> dict: its traffic case's bytes against the fewest (tests/_traffic.py)
 
     @property

@@ -24,7 +24,8 @@ from hypothesis import HealthCheck, Phase, settings
 from _manifest import BY_STEM, DRILLS
 from _paged import release_big_memory
 from _tree import default_tree, tree_path
-from _worker import reset_all, stop_all, tree_module
+from _diagnose import Mismatch
+from _worker import ISOLATE, WORKER, reset_all, stop_all, tree_module
 
 # Under the CPU interpreter every Triton program runs in Python: few, small examples.
 _common = dict(deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
@@ -53,6 +54,7 @@ def pytest_configure(config):
         config.addinivalue_line("markers", f"{d.id}: drill {d.id.upper()}, {d.title} (pytest -m {d.id})")
     config.addinivalue_line("markers", "meta: checks of the repository itself (stubs, pages, grader)")
     config.addinivalue_line("markers", "pitfall(name): the test exists to catch this pitfall of the drill's page")
+    config.addinivalue_line("markers", "launches_nothing: the test's calls have nothing to do, so no kernel need run")
     if config.getoption("--drills-report"):
         import _report
 
@@ -113,7 +115,7 @@ def pytest_collection_finish(session):
 
 
 def pytest_runtest_setup(item):
-    reset_all()  # each test gets its own time for the learner's code (and the planted variants')
+    reset_all(calls=True)  # each test gets its own time for the learner's code (and the planted variants')
     _per_example_budget(item)
 
 
@@ -132,6 +134,27 @@ def _per_example_budget(item):
         return inner(*args, **kwargs)
     each_example._drills_budget = True
     hypothesis_test.inner_test = each_example  # hypothesis's documented hook for wrapping a test
+
+
+NO_TRITON = ("your function returned the right answer but no Triton kernel ran; the drill is to write it in "
+             "Triton ({function}: {calls} call(s), 0 kernel launches)")
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_call(item):
+    """A drill's kernel test that passed fails after all if none of the drill's kernel
+    functions it called launched a Triton kernel (a right answer in plain PyTorch is not
+    the drill). Counted in the learner's worker (tests/_launches.py); the functions the
+    contract writes in plain PyTorch (`Drill.torch_only`) are exempt."""
+    result = yield
+    drill = BY_STEM.get(item.path.stem.removeprefix("test_"))
+    if drill is None or not ISOLATE or item.get_closest_marker("launches_nothing"):
+        return result
+    kernels = {name: counts for name, counts in WORKER.calls.items() if name not in drill.torch_only}
+    if kernels and not any(launched for _, launched in kernels.values()):
+        name, (calls, _) = next(iter(kernels.items()))
+        raise Mismatch(NO_TRITON.format(function=f"{name}()", calls=calls))
+    return result
 
 
 def pytest_runtest_teardown(item):

@@ -29,6 +29,9 @@ def status_text(s):
 
 def show(console, grade):
     console.print(f"[bold]drills[/] · tree [cyan]{grade['tree']}[/] · {grade['device']}")
+    if grade.get("sandbox") == "none":
+        console.print("[bold yellow]warning:[/] no Landlock on this kernel (Linux >= 5.13 has it): the learner's code "
+                      "runs unconfined, so this grade is not tamper-proof here")
     if grade.get("integrity") and not grade["integrity"]["ok"]:
         console.print(f"[bold yellow]warning:[/] {grade['integrity']['says']}")
     table = Table(show_header=True, header_style="bold", box=None, padding=(0, 2))

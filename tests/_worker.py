@@ -13,20 +13,34 @@ and strides, so the learner's writes land in the test's own buffers, guard regio
 included. A returned tensor that is one of the arguments (an `out=`) comes back as
 that very argument.
 
+The worker confines itself with Linux Landlock (tests/_sandbox.py) before it imports
+the learner's module: from then on it may write only its scratch folder, and it cannot
+reach (ptrace, read the memory of, signal) any process outside its sandbox. Under the
+interpreter the fork server it is forked from is confined the same way first, so a
+worker cannot ask it for an unconfined process either. What it sends back is read as
+data (tests/_data.py), and each reply says how many Triton kernels the call launched
+(tests/_launches.py). Where Landlock is missing, `SANDBOX` says so and the grade warns.
+
 DRILLS_ISOLATE=0 runs the module in the test process instead (handy with a
 debugger); the grade always isolates.
 """
+import atexit
 import io
+import multiprocessing
 import os
+import shutil
 import signal
 import sys
 import tempfile
 import time
 import traceback
+from pathlib import Path
 
 import torch
 import torch.multiprocessing as mp
 
+import _data
+import _sandbox
 from _process import die_with_parent
 
 ISOLATE = os.environ.get("DRILLS_ISOLATE", "1") != "0"
@@ -41,9 +55,25 @@ TIMEOUT = float(os.environ.get("DRILLS_TIMEOUT", "60"))
 # process that forks after CUDA is initialised cannot use it, and there are few.
 _START_METHOD = "forkserver" if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0") else "spawn"
 if _START_METHOD == "forkserver":
-    # By name from site-packages: Python 3.11's fork server ignores our sys.path, so it
-    # could not import this module (it skips what it cannot import, silently).
-    mp.set_forkserver_preload(["torch", "triton", "torch.multiprocessing"])
+    # Python 3.11's fork server ignores our sys.path, and skips silently what it cannot
+    # import: torch and Triton by name from site-packages, and _forkserver (which confines
+    # the server) through the PYTHONPATH the first Worker.start sets.
+    mp.set_forkserver_preload(["torch", "triton", "torch.multiprocessing", "_forkserver"])
+
+# Landlock's ABI on this kernel (0: none, and the grade is not tamper-proof here).
+LANDLOCK_ABI = _sandbox.abi()
+SANDBOX = f"landlock ABI {LANDLOCK_ABI}" if LANDLOCK_ABI else "none"
+_SCRATCH = []  # the folder every worker's scratch folder lives in (made on first use)
+
+
+def _scratch_root():
+    if not _SCRATCH:
+        _SCRATCH.append(tempfile.mkdtemp(prefix="drills-sandbox-"))
+        atexit.register(shutil.rmtree, _SCRATCH[0], ignore_errors=True)
+        os.environ["DRILLS_SANDBOX_ROOT"] = _SCRATCH[0]
+        tests = str(Path(__file__).resolve().parent)
+        os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (tests, os.environ.get("PYTHONPATH")) if p)
+    return _SCRATCH[0]
 
 # Exceptions whose type means something to the tests come back as that type;
 # anything else comes back as LearnerError (so an AssertionError raised by the
@@ -75,13 +105,17 @@ class Worker:
     def __init__(self):
         self.proc = None
         self.conn = None
+        self.scratch = None
         self.budget = TIMEOUT  # seconds left to the current test (reset per test by the plugin)
+        self.calls = {}        # this test's calls that returned: {function name: (calls, kernels launched)}
         WORKERS.append(self)
 
     def start(self):
+        self.scratch = tempfile.mkdtemp(prefix="worker-", dir=_scratch_root())
         ctx = mp.get_context(_START_METHOD)
         self.conn, child = ctx.Pipe()
-        self.proc = ctx.Process(target=_serve, args=(child, sys.path), daemon=True, name="drills-worker")
+        self.proc = ctx.Process(target=_serve, args=(child, sys.path, self.scratch), daemon=True,
+                                name="drills-worker")
         self.proc.start()
         child.close()
 
@@ -91,7 +125,19 @@ class Worker:
                 self.proc.kill()
             self.proc.join(5)
             self.conn.close()
-        self.proc = self.conn = None
+        if self.scratch:
+            shutil.rmtree(self.scratch, ignore_errors=True)
+        self.proc = self.conn = self.scratch = None
+
+    def _receive(self):
+        """The next message, read as data: a reply that names anything else is refused."""
+        payload = self.conn.recv_bytes()
+        try:
+            return _data.loads(payload)
+        except _data.NotData as error:
+            self.stop()  # what it sent may hold file descriptors or handles we did not take
+            raise LearnerError(f"your code sent back something that is not data ({error}); return tensors, "
+                               f"numbers, strings, None, or tuples, lists and dicts of these") from None
 
     def call(self, tree, stem, name, args, kwargs, traffic=False):
         """name(*args, **kwargs) of the tree's module, run in the worker. With traffic=True,
@@ -117,7 +163,7 @@ class Worker:
                                      f"(an endless loop? a huge grid?); the process was stopped "
                                      f"(DRILLS_TIMEOUT / make grade TIMEOUT=... sets the limit)")
             try:
-                message = self.conn.recv()
+                message = self._receive()
             except (EOFError, ConnectionResetError, OSError):
                 code = self._exit_code()
                 self.stop()
@@ -130,15 +176,19 @@ class Worker:
                 continue
             break
         self.budget -= time.monotonic() - started
-        kind, payload, out, err = message
+        kind, payload, out, err, launched = message
+        if kind == "ok":
+            calls, kernels = self.calls.get(name, (0, 0))
+            self.calls[name] = (calls + 1, kernels + int(launched))
         if out:
             sys.stdout.write(out)
         if err:
             sys.stderr.write(err)
         if kind == "ok":
             if traffic:
+                import _counting
                 result, counts = payload
-                return _by_value(result, flat), counts
+                return _by_value(result, flat), _counting.Traffic.from_data(counts)
             return _by_value(payload, flat)
         type_name, text, where, fatal = payload
         if fatal:
@@ -168,9 +218,13 @@ WORKERS = []        # every worker of this process, for the plugin's per-test re
 WORKER = Worker()   # runs the learner's module
 
 
-def reset_all(budget=TIMEOUT):
+def reset_all(budget=TIMEOUT, calls=False):
+    """A fresh time budget for every worker (each test, each hypothesis example); with
+    calls=True also forget the calls counted so far (each test)."""
     for worker in WORKERS:
         worker.budget = budget
+        if calls:
+            worker.calls = {}
 
 
 def stop_all():
@@ -257,11 +311,27 @@ def _by_reference(obj, flat):
 # The worker side
 
 
-def _serve(conn, path):
+def _enter_sandbox(scratch):
+    """Everything this process writes goes to `scratch` from now on; then Landlock holds
+    it there (where the kernel has Landlock)."""
+    for name, sub in (("TRITON_CACHE_DIR", "triton"), ("TRITON_HOME", "."), ("CUDA_CACHE_PATH", "nv"),
+                      ("TMPDIR", "."), ("HOME", ".")):
+        os.environ[name] = os.path.normpath(os.path.join(scratch, sub))
+    tempfile.tempdir = scratch
+    multiprocessing.current_process()._config.pop("tempdir", None)  # the fork server's, outside scratch
+    if LANDLOCK_ABI:
+        _sandbox.confine(scratch)
+
+
+def _serve(conn, path, scratch):
     die_with_parent()
     sys.path[:] = path
+    _enter_sandbox(scratch)
     import _env  # noqa: F401  -- the same CPU-interpreter-or-GPU decision as the test process
+    import _launches
     from _tree import load_drill
+
+    launched = _launches.install()
 
     while True:
         try:
@@ -270,6 +340,7 @@ def _serve(conn, path):
             return
         _, tree, stem, name, args, kwargs, traffic = request
         fatal = False
+        before = launched()
         with _Captured() as captured:
             try:
                 conn.send(("phase", "importing your module"))
@@ -295,7 +366,7 @@ def _serve(conn, path):
                     torch.cuda.synchronize()
                 reply = ("ok", _by_reference(result, flatten_tensors((args, kwargs))))
                 if traffic:
-                    reply = ("ok", (reply[1], counts))
+                    reply = ("ok", (reply[1], counts and counts.to_data()))
             except BaseException as error:  # the learner's code may raise anything, SystemExit included
                 text = str(error)
                 fatal = _is_cuda_fatal(text)
@@ -303,10 +374,10 @@ def _serve(conn, path):
                     text += " (make reset DRILL=... restores the stub)"
                 reply = ("error", (type(error).__name__, text, _where(error, tree), fatal))
         try:
-            conn.send((*reply, captured.out, captured.err))
+            conn.send((*reply, captured.out, captured.err, launched() - before))
         except Exception as error:  # e.g. a result that cannot be pickled
             conn.send(("error", (type(error).__name__, f"the result of {name}() could not be sent back: {error}",
-                                 None, False), captured.out, captured.err))
+                                 None, False), captured.out, captured.err, 0))
         del request, args, kwargs, reply
         if fatal:
             os._exit(3)  # a CUDA error leaves the context unusable: let the next call start afresh

@@ -164,6 +164,7 @@ def test_allocates_the_output_when_out_is_none(drill, device):
     check_paged_decode(case, out)
 
 
+@pytest.mark.launches_nothing  # nothing to do: no kernel need run
 def test_empty_batch(drill, device):
     case = _case(device, [3])
     out = drill.paged_decode_attention(case.query[:0], case.k_cache, case.v_cache, case.block_table[:0],

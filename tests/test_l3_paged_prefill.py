@@ -166,6 +166,7 @@ def test_block_sizes_smaller_and_larger_than_a_tile(drill, device):
     run(drill, _case(device, [7, 1], [40, 70], block_size=32, seed=15))
 
 
+@pytest.mark.launches_nothing  # nothing to do: no kernel need run
 def test_empty_batch(drill, device):
     case = _case(device, [3], [2], out=False)
     empty = case.query[:0]

@@ -317,6 +317,7 @@ def test_block_size_32(drill, device):
     run(drill, _case(device, [32, 100], block_size=32, num_splits=3, seed=17))
 
 
+@pytest.mark.launches_nothing  # nothing to do: no kernel need run
 def test_empty_batch(drill, device):
     case = _case(device, [3])
     out = drill.paged_decode_attention_split(case.query[:0], case.k_cache, case.v_cache, case.block_table[:0],

@@ -32,6 +32,7 @@ DRILL = Drill(
     title="Paged KV-cache write",
     mirrors="vLLM reshape_and_cache_flash",
     api=("slot_mapping", "reshape_and_cache_kernel", "reshape_and_cache"),
+    torch_only=("slot_mapping",),
     test_shapes=TEST_SHAPES,
     bench=BENCH,
     bench_work=bench_work,

@@ -55,6 +55,14 @@ MISTAKES = {
          "        import os, signal\n        os.kill(os.getpid(), signal.SIGSEGV)\n"
          "    if num_tokens == 0:\n        return"),
     )),
+    # Right, but no Triton kernel runs: the drill is the kernel (tests/_plugin.py fails it).
+    "written_in_pytorch": Mistake(shows="no Triton kernel ran", edits=(
+        ("    hd = num_heads * head_size\n    block = triton.next_power_of_2(hd)\n",
+         "    real = slot_mapping >= 0  # planted: the copy done in PyTorch, no kernel\n"
+         "    k_cache.view(-1, num_heads, head_size)[slot_mapping[real].long()] = key[real]\n"
+         "    v_cache.view(-1, num_heads, head_size)[slot_mapping[real].long()] = value[real]\n"
+         "    return\n    hd = num_heads * head_size\n    block = triton.next_power_of_2(hd)\n"),
+    )),
 }
 if _env.INTERPRET:  # on a GPU this mask compiles, and is right
     MISTAKES["scalar_in_mask"] = Mistake(shows="choose the bound with a scalar tl.where", edits=(
