@@ -135,3 +135,23 @@ def test_arithmetic_on_the_page(drill_id):
     for left, result in re.findall(r"((?:\d+[^\d×=+\n]*×\s*)+\d+)[^\d=+\n]*= (\d+)", text):
         factors = [int(n) for n in re.findall(r"\d+", left)]
         assert math.prod(factors) == int(result), f"{left} = {result}"
+
+
+# A repository path a page names: under tests/, solutions/, mine/ or content/, a bare *.md
+# (top level or a page), or a top-level file; not part of a longer (upstream) path, and not
+# a pattern such as tests/test_<stem>.py.
+REPO_PATH = re.compile(r"(?<![\w./<>-])((?:tests|solutions|mine|content)/[\w./-]*[\w/]|[\w-]+\.md|Makefile|grader\.py)"
+                       r"(?![\w<>-])")
+LINK = re.compile(r"\]\((?!https?:|#)([^)#\s]+)(?:#[^)]*)?\)")
+
+
+@pytest.mark.parametrize("name", sorted(p.name for p in (ROOT / "content").glob("*.md")))
+def test_paths_a_page_names_exist(name):
+    """Every repository path a page mentions (tests/..., solutions/..., mine/..., content/...,
+    BENCHMARKS.md; no file from outside the repository) and every relative link exists: drills move (tests/drills/<id>/ was once one
+    file), and a page must not send a learner to a file that is gone."""
+    text = (ROOT / "content" / name).read_text()
+    named = {m.rstrip(".") for m in REPO_PATH.findall(text)}
+    missing = sorted(p for p in named if not (ROOT / p).exists() and not (ROOT / "content" / p).exists())
+    missing += sorted(link for link in set(LINK.findall(text)) if not (ROOT / "content" / link).exists())
+    assert not missing, f"content/{name} names paths that do not exist: {missing}"

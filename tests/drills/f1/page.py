@@ -85,6 +85,40 @@ def check_self_tests(text):
     assert total == append_bytes(**_bench_case("NHD").params)
 
 
+def _swapped_offsets(kv_layout, page_size, num_heads, head_size):
+    """Every in-page element offset the kernel writes when the entry and head strides are
+    swapped (pitfall layout_swapped), from the strides of one contiguous page of kv_layout."""
+    shape = (page_size, num_heads, head_size) if kv_layout == "NHD" else (num_heads, page_size, head_size)
+    strides = torch.empty(shape).stride()
+    entry, head = (strides[0], strides[1]) if kv_layout == "NHD" else (strides[1], strides[0])
+    entry, head = head, entry  # the mistake
+    return {e * entry + h * head + f for e in range(page_size) for h in range(num_heads) for f in range(head_size)}
+
+
+def check_layout_swapped(text):
+    """§6 and §9: with the strides swapped, NHD leaves the page when H > page_size and HND
+    when page_size > H; equal, both only transpose inside it. The test and bench shapes."""
+    d = 2
+    for ps in range(1, 7):
+        for h in range(1, 7):
+            size = ps * h * d
+            nhd, hnd = (max(_swapped_offsets(lay, ps, h, d)) >= size for lay in ("NHD", "HND"))
+            assert nhd == (h > ps) and hnd == (ps > h), (ps, h)
+            assert max(_swapped_offsets("NHD", ps, h, d)) // d == ps - 1 + (h - 1) * h
+            assert max(_swapped_offsets("HND", ps, h, d)) // d == (ps - 1) * ps + h - 1
+            if h == ps:
+                assert _swapped_offsets("NHD", ps, h, d) == _swapped_offsets("HND", ps, h, d) == set(range(size))
+    s6 = section(text, 6)
+    for needle in ("`entry · D + head · H·D`", "`(page_size − 1 + (H − 1) · H) · D`", "**H > page_size**",
+                   "`entry · page_size·D + head · D`", "`((page_size − 1) · page_size + H − 1) · D`",
+                   "**page_size > H**", "H = 3、page_size = 4", "H = 8、page_size 16"):
+        assert needle in s6, f"content/f1.md §6 should say {needle}"
+    bench = _bench_case("HND").params
+    for ps, h in ((4, 3), (bench["page_size"], bench["num_heads"])):  # the test's shape, the bench's
+        assert max(_swapped_offsets("HND", ps, h, 1)) >= ps * h > max(_swapped_offsets("NHD", ps, h, 1))
+    assert "NHD 在 H > page_size 时越界，HND 在 page_size > H 时越界" in section(text, 9)
+
+
 def check_bench_numbers(text):
     """Numbers quoted from BENCHMARKS.md stand in BENCHMARKS.md."""
     bench = (ROOT / "BENCHMARKS.md").read_text()
@@ -104,4 +138,4 @@ def check_traffic_line(text):
     check_page_line(text, "f1", traffic(load_drill("solutions", "f1_csr_page_table")))
 
 
-PAGE_CHECKS = (check_traffic_line, check_page_example, check_self_tests, check_bench_numbers)
+PAGE_CHECKS = (check_traffic_line, check_page_example, check_layout_swapped, check_self_tests, check_bench_numbers)

@@ -1,14 +1,18 @@
 """L4's page checks: every number content/l4.md states that code can compute, and its
 traffic line; PAGE_CHECKS in the order the drill runs them."""
+import dataclasses
 import math
 import re
 
 import torch
 
+import _env
 from _traffic import check_page_line
 from _tree import load_drill
+from _wrong import folder, plant_edits
 
-from .cases import SELF_TEST_MERGE, merge_example_numbers
+from .cases import MERGE_EXAMPLE, SELF_TEST_MERGE, merge_example_case, merge_example_numbers
+from .mistakes import PITFALLS, PLANTED
 from .reference import LN2, chunk_bounds, ref_merge
 from .traffic import TRAFFIC_CASE, traffic
 
@@ -74,6 +78,27 @@ def check_self_tests(text):
     assert re.search(r"v = 0.*s = −?-?inf", text)
 
 
+def _planted(name):
+    """The reference with pitfall `name` planted, imported here (a page check runs trusted code)."""
+    where = plant_edits(PLANTED, PITFALLS[name].edits, folder() / "l4-page" / name, name)
+    return load_drill(str(where), PLANTED.stem)
+
+
+def check_one_split(text):
+    """§3 and §8: at one split, lse_base2 hides (nobody reads the LSE) and unnormalised_partial
+    does not: it writes acc = l · v, with l = Σ exp(x − max x). Both planted and run on §3's row."""
+    scores = torch.tensor(MERGE_EXAMPLE["scores"], dtype=torch.float64)
+    l_sum = float(torch.exp(scores - scores.max()).sum())
+    v = merge_example_numbers()["whole"]
+    _on_page(text, l_sum, 4, "l of §3's whole row")
+    _on_page(text, l_sum * v, 4, "what unnormalised_partial writes at one split")
+    assert f"{l_sum:.4f} × {v:.4f} = {l_sum * v:.4f}" in text
+    case = dataclasses.replace(merge_example_case("cpu" if _env.INTERPRET else "cuda"), num_splits=1)
+    for name, want in (("unnormalised_partial", l_sum * v), ("lse_base2", v)):
+        out = _planted(name).paged_decode_attention_split(*case.args(), **case.kwargs())
+        assert abs(float(out) - want) < 1e-4, f"{name} at one split gives {float(out)}, not {want}"
+
+
 # ---------------------------------------------------------------------------
 
 def check_traffic_line(text):
@@ -84,4 +109,5 @@ def check_traffic_line(text):
     check_page_line(text, "l4", traffic(load_drill("solutions", "l4_split_kv_decode")))
 
 
-PAGE_CHECKS = (check_traffic_line, check_worked_example, check_occupancy, check_numbers_in_prose, check_self_tests)
+PAGE_CHECKS = (check_traffic_line, check_worked_example, check_occupancy, check_numbers_in_prose, check_one_split,
+               check_self_tests)
