@@ -1,6 +1,8 @@
-"""The drills, in order. The grader, the tests, the README table and the bench read
-this list. A drill is its own module, tests/drills/<id>.py, which builds its entry
-(`DRILL`); adding a drill is adding it to the import and the tuple below.
+"""The drills, in order. The front reads this list (the grader, the test plugin, the
+entry points of the bench and the traffic line; the README table is checked against
+it); the shared layer never does. A drill is its own folder, tests/drills/<id>/, whose
+__init__.py builds its entry (`DRILL`); adding a drill is adding it to the import and
+the tuple below.
 """
 from drills import f1, l1, l2, l3, l4
 

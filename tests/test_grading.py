@@ -6,6 +6,7 @@ import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 
@@ -13,7 +14,7 @@ import _grading
 import _wrong
 from _manifest import BY_ID
 from _tree import ROOT
-from _worker import LearnerCrash, LearnerTimeout, TreeModule, Worker
+from _worker import SANDBOX, LearnerCrash, LearnerTimeout, TreeModule, Worker
 
 L1 = BY_ID["l1"]
 
@@ -40,9 +41,12 @@ def _forge():
             report = args[args.index("--drills-report") + 1]
         pid = int(open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()[1])
     if report:
-        with open(report, "a") as f:
-            for name in ("test_write_worked_example", "test_slot_mapping_worked_example"):
-                f.write('{"test": "tests/x.py::%s", "name": "%s", "outcome": "passed"}\t0\n' % (name, name))
+        try:  # the sandbox (tests/_sandbox.py) refuses this open where Landlock is
+            with open(report, "a") as f:
+                for name in ("test_write_worked_example", "test_slot_mapping_worked_example"):
+                    f.write('{"test": "tests/x.py::%s", "name": "%s", "outcome": "passed"}\t0\n' % (name, name))
+        except PermissionError:
+            print("forging the report: stopped by the sandbox")
     import sys as _sys
     for module in list(_sys.modules.values()):
         for attr in ("check_kv_write", "check_slot_mapping", "classify"):
@@ -64,8 +68,13 @@ def hostile_grade(tmp_path_factory):
 
 
 def test_a_learner_file_cannot_forge_a_pass(hostile_grade):
+    """Under Landlock the forged lines are never written; without it they are written,
+    and the signature check finds them."""
     assert hostile_grade["status"] == "failing"
-    assert "did not write" in (hostile_grade["problem"] or ""), hostile_grade["problem"]
+    if SANDBOX == "none":
+        assert "did not write" in (hostile_grade["problem"] or ""), hostile_grade["problem"]
+    else:
+        assert not hostile_grade["problem"], hostile_grade["problem"]
     assert "position_as_slot" in [d["pitfall"] for d in hostile_grade["diagnosis"]]
 
 
@@ -158,7 +167,8 @@ def _descendants(pid):
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="process groups and /proc")
 def test_ctrl_c_stops_every_process_the_grader_started(tmp_path):
-    started = tmp_path / "started"
+    # /dev/shm: one of the few places the sandboxed learner's code may write (tests/_sandbox.py)
+    started = Path("/dev/shm") / f"drills-started-{tmp_path.name}-{os.getpid()}"
     tree = learner(tmp_path, f"def slot_mapping(*a):\n    open({str(started)!r}, 'w').close()\n    while True:\n"
                              f"        pass\n")
     grader = subprocess.Popen([sys.executable, "grader.py", "l1", f"--tree={tree}", "--test-timeout", "600"],
@@ -176,6 +186,7 @@ def test_ctrl_c_stops_every_process_the_grader_started(tmp_path):
     deadline = time.monotonic() + 10
     while [p for p in below if _alive(p)] and time.monotonic() < deadline:
         time.sleep(0.1)
+    started.unlink(missing_ok=True)
     assert [p for p in below if _alive(p)] == [], "processes of the grade are still running after Ctrl-C"
 
 

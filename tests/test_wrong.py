@@ -70,7 +70,7 @@ def test_a_crash_costs_one_test_not_the_drill(planted_grades):
 @pytest.mark.parametrize("drill", DRILLS, ids=lambda d: d.id)
 def test_every_pitfall_on_the_page_is_planted_and_marked(drill):
     named = set(re.findall(r"`pitfall:(\w+)`", (ROOT / drill.page).read_text()))
-    assert named == set(drill.pitfalls), f"pitfalls on {drill.page} vs tests/drills/{drill.id}.py"
+    assert named == set(drill.pitfalls), f"pitfalls on {drill.page} vs tests/drills/{drill.id}/mistakes.py"
     source = (ROOT / "tests" / f"test_{drill.stem}.py").read_text()
     marked = {node.args[0].value for node in ast.walk(ast.parse(source))
               if isinstance(node, ast.Call) and getattr(node.func, "attr", None) == "pitfall"}
