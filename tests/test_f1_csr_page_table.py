@@ -153,7 +153,9 @@ def test_each_layout_puts_entry_and_head_in_their_dims(drill, device, kv_layout,
 
 @pytest.mark.pitfall("indptr_off_by_one")
 def test_each_sequence_starts_at_its_own_indptr(drill, device):
-    case = append_case([6, 1, 9], [2, 3, 1], 4, num_heads=2, head_size=4, device=device, seed=3)
+    # key a view of fused QKV (row stride 3*H*D), value rows of its own (H*D): each is read
+    # through its own strides.
+    case = append_case([6, 1, 9], [2, 3, 1], 4, num_heads=2, head_size=4, rows="mixed", device=device, seed=3)
     run(drill, case)
 
 
@@ -177,8 +179,11 @@ def test_batch_index_minus_one_reads_and_writes_nothing(drill, device, padding):
     run(drill, case)
 
 
-def test_fused_qkv_rows_are_read_through_their_strides(drill, device):
-    case = append_case([1, 6], [3, 2], 4, num_heads=2, head_size=8, rows="fused_qkv", device=device, seed=7)
+@pytest.mark.parametrize("rows", ["fused_qkv", "mixed"])
+def test_fused_qkv_rows_are_read_through_their_strides(drill, device, rows):
+    """fused_qkv: key and value both views of one QKV tensor (row stride 3*H*D); mixed: key
+    such a view, value contiguous rows (stride H*D), so each needs its own strides."""
+    case = append_case([1, 6], [3, 2], 4, num_heads=2, head_size=8, rows=rows, device=device, seed=7)
     run(drill, case)
 
 

@@ -138,6 +138,10 @@ def _rows(nnz, num_heads, head_size, rows, dtype, device, gen):
         buf = noise((nnz * 3 * hd + hd,), dtype, device, gen)
         qkv = buf[:nnz * 3 * hd].view(nnz, 3, num_heads, head_size)
         return buf, qkv[:, 1], qkv[:, 2]
+    if rows == "mixed":  # value: its own rows (stride H*D), then key = qkv[:, 1] (stride 3*H*D)
+        buf = noise((nnz * 4 * hd + hd,), dtype, device, gen)
+        qkv = buf[nnz * hd:nnz * 4 * hd].view(nnz, 3, num_heads, head_size)
+        return buf, qkv[:, 1], buf[:nnz * hd].view(nnz, num_heads, head_size)
     raise ValueError(f"unknown rows {rows!r}")
 
 
@@ -207,7 +211,8 @@ def append_params(draw, dtypes=tuple(DTYPES)):
         context_lens=context, append_lens=append, page_size=page_size,
         num_heads=draw(st.integers(1, shapes["max_heads"])), head_size=draw(st.sampled_from(shapes["head_sizes"])),
         dtype=DTYPES[draw(st.sampled_from(dtypes))], kv_layout=draw(st.sampled_from(["NHD", "HND"])),
-        cache_form=draw(st.sampled_from(["tuple", "5d"])), rows=draw(st.sampled_from(["contiguous", "fused_qkv"])),
+        cache_form=draw(st.sampled_from(["tuple", "5d"])),
+        rows=draw(st.sampled_from(["contiguous", "fused_qkv", "mixed"])),
         padding=draw(st.integers(0, shapes["max_padding"])), spare_pages=draw(st.integers(1, 3)),
         extra_columns=draw(st.integers(0, 2)), seed=draw(st.integers(0, 2**31 - 1)),
     )
@@ -236,6 +241,12 @@ def check_fused_qkv_rows_are_strided_views(device):
     assert case.key.stride(0) == case.value.stride(0) == 3 * 2 * 8
 
 
+def check_mixed_rows_give_key_and_value_different_strides(device):
+    case = append_case([1, 6], [3, 2], 4, num_heads=2, head_size=8, rows="mixed", device=device)
+    assert (case.key.stride(0), case.value.stride(0)) == (3 * 2 * 8, 2 * 8)
+    assert case.key.stride(1) == case.value.stride(1) == 8
+
+
 def check_pages_come_from_a_shuffled_pool_and_kv_indices_is_guarded(device):
     case = append_case([9, 0, 13], [3, 2, 1], 4, num_heads=1, head_size=2, spare_pages=2, device=device)
     pages = case.kv_indices.tolist()
@@ -246,4 +257,5 @@ def check_pages_come_from_a_shuffled_pool_and_kv_indices_is_guarded(device):
 
 FIXTURE_CHECKS = (check_worked_example_puts_each_token_in_the_pages_place,
                   check_padding_tokens_get_batch_index_minus_one, check_fused_qkv_rows_are_strided_views,
+                  check_mixed_rows_give_key_and_value_different_strides,
                   check_pages_come_from_a_shuffled_pool_and_kv_indices_is_guarded)

@@ -55,6 +55,10 @@ MISTAKES = {
         ("page = tl.load(kv_indices_ptr + page_iter).to(tl.int64)", "page = page_iter.to(tl.int64)"),)),
     "key_stored_as_value": Mistake(shows="v_cache", edits=(
         ("tl.store(v_cache_ptr + dst, v, mask=keep)", "tl.store(v_cache_ptr + dst, k, mask=keep)"),)),
+    # Right whenever key and value share their strides (contiguous, or both views of fused QKV).
+    "value_read_with_key_strides": Mistake(shows="v_cache: page", edits=(
+        ("v = tl.load(value_ptr + token * value_stride_n + heads * value_stride_h + feats, mask=keep)",
+         "v = tl.load(value_ptr + token * key_stride_n + heads * key_stride_h + feats, mask=keep)"),)),
 }
 
 

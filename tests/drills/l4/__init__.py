@@ -25,7 +25,7 @@ from .traffic import traffic
 
 # What tests/test_l4_split_kv_decode.py imports from drills.l4:
 from .cases import (MERGE_EXAMPLE, MergeCase, last_tokens_score_highest, merge_case, merge_example_case,
-                    merge_example_numbers, merge_params, split_case, split_params, spread_chunks)
+                    merge_example_numbers, merge_params, one_side_empty_case, split_case, split_params, spread_chunks)
 from .checks import check_merge, check_split_decode
 from .traffic import check_table_read_only_to_last_block
 

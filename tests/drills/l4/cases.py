@@ -10,7 +10,7 @@ from _paged import DTYPES, allocate_blocks, guarded_nan, guarded_table, nan_outs
 
 from .reference import LN2, chunk_bounds, chunk_states, ref_merge, ref_split_decode
 
-TEST_SHAPES = dict(max_seqs=4, max_context=200, max_kv_heads=2, gqa_ratios=(1, 4), head_sizes=(3, 8, 16, 40),
+TEST_SHAPES = dict(max_seqs=4, max_context=200, max_kv_heads=2, gqa_ratios=(1, 3, 4, 5, 6), head_sizes=(3, 8, 16, 40),
                    block_sizes=(16, 32), max_splits=12)
 
 
@@ -187,6 +187,17 @@ def merge_case(rows=3, heads=2, head_size=5, dtype_a=torch.float32, dtype_b=None
                      s_b.to(device))
 
 
+def one_side_empty_case(empty, device="cpu", seed=7):
+    """Four rows of two heads: rows 1 to 3 of side `empty` ("a" or "b") are empty (s = -inf,
+    v NaN garbage); row 0 has both sides, so a merge that mixes up the two weights is
+    wrong there, where no side is empty."""
+    case = merge_case(rows=4, heads=2, head_size=8, device=device, seed=seed)
+    s, v = (case.s_a, case.v_a) if empty == "a" else (case.s_b, case.v_b)
+    s[1:] = float("-inf")
+    v[1:] = float("nan")
+    return case
+
+
 # ---------------------------------------------------------------------------
 # Hypothesis strategies (bounded by TEST_SHAPES)
 
@@ -248,6 +259,15 @@ def check_empty_chunk_case_separates_short_from_long_sequences(device):
         assert all(any(end <= start for start, end in chunk_bounds(n, 8, align)) for n in (1, 3))
 
 
+def check_one_side_empty_case_has_a_row_with_both_sides(device):
+    for empty in ("a", "b"):
+        case = one_side_empty_case(empty, device)
+        gone = torch.isinf(case.s_a if empty == "a" else case.s_b).cpu()
+        kept = case.s_b if empty == "a" else case.s_a
+        assert gone[1:].all() and not gone[0].any() and bool(torch.isfinite(kept).all())
+        assert bool(torch.isnan(case.v_a if empty == "a" else case.v_b)[1:].all())
+
+
 def check_spread_chunks_make_the_chunk_lses_differ(device):
     case = spread_chunks(split_case([200, 150], num_splits=4, seed=7, device=device))
     for scores, values in case.scores_values():
@@ -270,6 +290,7 @@ def check_worked_example_case_is_the_pages_row(device):
 
 
 FIXTURE_CHECKS = (check_fused_qkv_query_is_a_strided_view, check_empty_merge_sides_hold_garbage,
+                  check_one_side_empty_case_has_a_row_with_both_sides,
                   check_empty_chunk_case_separates_short_from_long_sequences,
                   check_spread_chunks_make_the_chunk_lses_differ, check_last_tokens_score_highest,
                   check_worked_example_case_is_the_pages_row)

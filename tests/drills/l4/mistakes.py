@@ -49,6 +49,20 @@ MISTAKES = {
     "chunks_overlap": Mistake(shows="is off", edits=(
         ("end = tl.minimum(start + chunk, seq_len)", "end = tl.minimum(start + chunk + TILE, seq_len)"),
     )),
+    # The head group padded to a power of two (no 16-row minimum) with its spare slots left
+    # unmasked: with a group of 1, 2, 4 or 8 there is no spare slot, so only a group such as 3
+    # shows it; the last KV head's spare row is then stored past the end of out.
+    "head_group_spare_slot_unmasked": Mistake(shows="written past the end of out", edits=(
+        ("GROUP_PAD=max(16, triton.next_power_of_2(group))", "GROUP_PAD=triton.next_power_of_2(group)"),
+        ("q_mask = (rows < GROUP)[:, None] & (dims < HEAD_SIZE)[None, :]", "q_mask = (dims < HEAD_SIZE)[None, :]"),
+    )),
+    # Each part weighted by another's exp(s - max) (with two parts: a by b's, b by a's); the
+    # merged LSE is still right. With one side empty it turns NaN as an unguarded empty side
+    # does, but it is wrong where no side is empty too: the page's example (2.21386, not 2.78614).
+    "merge_weights_swapped": Mistake(shows="got 2.21386", edits=(
+        ("s = tl.load(lse_ptr + first + parts, mask=parts < NUM_PARTS",
+         "s = tl.load(lse_ptr + first + (NUM_PARTS - 1 - parts), mask=parts < NUM_PARTS"),
+    )),
 }
 
 
