@@ -4,7 +4,9 @@ imported. Names no drill; imports nothing of ours.
 What the learner's code may do afterwards, enforced by the kernel for the worker and
 every process it starts (a Landlock domain is inherited and cannot be left):
 - write only below its own scratch folder (its Triton cache, its temporary files),
-  /dev/shm (torch's shared-memory tensors), /dev/null, and the GPU's device files;
+  /dev/shm (torch's shared-memory tensors), /dev/null, the GPU's device files, and its
+  own threads' files under /proc/self/task (CUDA's initialisation writes there: on the
+  H200 it fails with "Error 304: OS call failed" without them);
   everything else it may read and execute, but not create, change, rename or remove;
 - not ptrace, read the memory of (/proc/<pid>/mem), or signal any process outside its
   domain: the test process, the grader, the fork server (Landlock ABI 6 scopes signals
@@ -97,6 +99,7 @@ def confine(scratch):
     try:
         allowed = [(scratch, handled), ("/dev/shm", handled & ~_rights(("IOCTL_DEV",), version))]
         allowed += [(path, _rights(_FILE_RIGHTS, version)) for path in _device_files()]
+        allowed.append(("/proc/self/task", _rights(("WRITE_FILE", "TRUNCATE"), version)))
         for path, rights in allowed:
             try:
                 fd = os.open(path, os.O_PATH | os.O_CLOEXEC)
