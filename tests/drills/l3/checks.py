@@ -230,9 +230,12 @@ def _describe_wrong(case, got, want, wrong, atol, rtol):
     # The first wrong position, when every query before it is right and it is a possible tile edge.
     lo = min(pos for _, _, pos in bad)
     first_keys = lo > 0 and lo % 16 == 0 and any(pos < lo for _, _, pos in good)
+    tiles = " or ".join(str(t) for t in (16, 32, 64, 128) if lo % t == 0)
+    also = f" (and a cache block of {bs} tokens)" if lo % bs == 0 else ""
     keys = (f"every query that sees at most {lo} keys is right, and every wrong one sees more: the first {lo} keys "
-            f"(a whole number of key tiles of 16, 32 or 64) come out right, so look at what happens from the next "
-            f"key tile on: the rescale of the running sum and accumulator by exp(m_old - m_new), that tile's mask")
+            f"come out right, and a key tile of {tiles} keys{also} ends there, so look at what happens from the "
+            f"next key tile on: the rescale of the running sum and accumulator by exp(m_old - m_new), that tile's "
+            f"mask")
     blocks = ("only queries whose keys reach into the last, partly filled block are wrong: look at the last "
               "block's mask (keys past seq_len) and at whether it is read at all")
     if last_block and first_keys:
@@ -259,9 +262,8 @@ def _contiguous_read(case):
 
 
 def _wrong_heads(case, wrong):
-    """When only some query heads of the wrong tokens are wrong: which ones."""
-    rows = wrong.any(dim=1)
-    if bool(wrong[rows].all()):
+    """When some query heads are right in every token: which heads are wrong."""
+    if bool(wrong.any(dim=0).all()):  # every head is wrong somewhere
         return []
     num_heads, num_kv_heads = case.query.shape[1], case.k_cache.shape[2]
     group = num_heads // num_kv_heads
