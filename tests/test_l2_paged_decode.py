@@ -95,7 +95,8 @@ def test_block_table_past_last_block_is_not_even_loaded(drill, device):
 
 
 @pytest.mark.pitfall("wrong_gqa_mapping")
-@pytest.mark.parametrize("num_heads,num_kv_heads", [(8, 2), (16, 2), (12, 3)], ids=["ratio4", "ratio8", "ratio4x3"])
+@pytest.mark.parametrize("num_heads,num_kv_heads", [(8, 2), (16, 2), (12, 3), (6, 2), (5, 1), (6, 1)],
+                         ids=["ratio4", "ratio8", "ratio4x3", "ratio3", "ratio5", "ratio6"])
 def test_gqa_head_mapping(drill, device, num_heads, num_kv_heads):
     """pitfall:wrong_gqa_mapping: query head h reads KV head h // (H_q / H_kv)."""
     run(drill, _case(device, [20, 40], num_heads=num_heads, num_kv_heads=num_kv_heads, seed=5))

@@ -49,8 +49,9 @@ def test_worked_example(drill, device):
 
 @pytest.mark.parametrize("dtype", ALL_DTYPES, ids=str)
 def test_mixed_batch_for_each_dtype(drill, device, dtype):
-    """Decode rows, a pure prefill and chunks over prefixes, in one call."""
-    run(drill, _case(device, [1, 20, 7, 1, 12], [30, 0, 17, 4, 16], dtype=dtype, seed=1))
+    """Decode rows, a pure prefill and chunks over prefixes, in one call. Sequence 4 (32
+    tokens) fills its last block: a mistake in the second key tile shows there too."""
+    run(drill, _case(device, [1, 20, 7, 1, 12], [30, 0, 17, 4, 20], dtype=dtype, seed=1))
 
 
 # --- each pitfall on the page (§8) ------------------------------------------
@@ -96,7 +97,8 @@ def test_query_blocks_never_straddle_two_sequences(drill, device):
 
 
 @pytest.mark.pitfall("gqa_head_mapping")
-@pytest.mark.parametrize("num_heads,num_kv_heads", [(8, 2), (16, 2), (12, 3)], ids=["ratio4", "ratio8", "ratio4x3"])
+@pytest.mark.parametrize("num_heads,num_kv_heads", [(8, 2), (16, 2), (12, 3), (6, 2), (5, 1), (6, 1)],
+                         ids=["ratio4", "ratio8", "ratio4x3", "ratio3", "ratio5", "ratio6"])
 def test_gqa_head_mapping(drill, device, num_heads, num_kv_heads):
     """pitfall:gqa_head_mapping: query head h reads KV head h // (H_q / H_kv)."""
     run(drill, _case(device, [6, 1], [10, 30], num_heads=num_heads, num_kv_heads=num_kv_heads, seed=7))

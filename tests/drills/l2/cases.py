@@ -11,7 +11,7 @@ from _paged import DTYPES, allocate_blocks, guarded_nan, guarded_table, nan_outs
 
 from .reference import decode_scores_values, ref_paged_decode
 
-TEST_SHAPES = dict(max_seqs=4, max_context=200, max_kv_heads=2, gqa_ratios=(1, 4, 8), head_sizes=(3, 8, 16, 24, 40),
+TEST_SHAPES = dict(max_seqs=4, max_context=200, max_kv_heads=2, gqa_ratios=(1, 3, 4, 5, 6, 8), head_sizes=(3, 8, 16, 24, 40),
                    block_sizes=(16, 32))
 
 # The example content/l2.md §3 works by hand (tests/test_content.py checks the page

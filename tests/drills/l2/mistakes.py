@@ -65,6 +65,10 @@ MISTAKES = {
     "never_writes_last_head": Mistake(shows="never written", edits=(
         (_STORE, _STORE.replace("mask=q_mask", "mask=q_mask & (heads < NUM_HEADS - 1)[:, None]")),
     )),
+    # GROUP_PAD rows hold GROUP live ones: unmasked, the spare rows load and store the heads after the group's.
+    "spare_group_rows_unmasked": Mistake(shows="written past the end of out", edits=(
+        ("q_mask = (rows < GROUP)[:, None] & (dims < HEAD_SIZE)[None, :]", "q_mask = (dims < HEAD_SIZE)[None, :]"),
+    )),
     "writes_past_out": Mistake(shows="written past the end of out", edits=(
         (_STORE, _STORE.replace("mask=q_mask", "mask=(dims < HEAD_SIZE)[None, :]")),
     )),

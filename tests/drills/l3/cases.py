@@ -10,7 +10,7 @@ from _paged import DTYPES, GUARD, Guarded, allocate_blocks, followed_by, nan_out
 
 from .reference import ref_paged_prefill
 
-TEST_SHAPES = dict(max_seqs=4, max_chunk=64, max_context=96, max_kv_heads=2, gqa_ratios=(1, 4, 8),
+TEST_SHAPES = dict(max_seqs=4, max_chunk=64, max_context=96, max_kv_heads=2, gqa_ratios=(1, 3, 4, 5, 6, 8),
                    head_sizes=(3, 16, 24, 80, 96), block_sizes=(4, 16, 32))
 # Under the interpreter every program runs in Python: shorter chunks and contexts there.
 CPU_LIMITS = dict(max_chunk=24, max_context=48)

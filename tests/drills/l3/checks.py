@@ -55,11 +55,9 @@ def _explain_non_finite(case, got, atol, rtol):
     bad = ~torch.isfinite(got).all(dim=-1)  # [total_q, H_q]
     bad_rows = bad.any(dim=1)
     head = f"the output holds NaN or inf for {int(bad_rows.sum())} of {len(rows)} query tokens"
-    if bool(bad.all()):
-        return (f"{head}: every output is NaN or inf, so no single planted NaN explains it; look for a division by "
-                f"zero (l = 0), exp of +inf (a sign flipped in exp(m_old - m_new)?), or a read outside the inputs "
-                f"(content/l3.md §5)"), None
-    causes = [name for name in _NAN_CAUSES if _variant_reproduces(case, name, got, bad, atol, rtol)]
+    everywhere = bool(bad.all())  # NaN everywhere fits too many stories: no planted variant is tried
+    causes = [] if everywhere else [name for name in _NAN_CAUSES
+                                    if _variant_reproduces(case, name, got, bad, atol, rtol)]
     if len(causes) == 1:
         return f"{head}; {_NAN_CAUSES[causes[0]]} (pitfall:{causes[0]}, {SECTION})", causes[0]
     bs, lens = case.block_size, case.seq_lens.long().tolist()
@@ -79,6 +77,11 @@ def _explain_non_finite(case, got, atol, rtol):
          "such blocks: were they read?"),
     ]
     fits = [text for r, text in sources if bool(r[bad_rows].all())]
+    if everywhere:
+        could = "".join(f"; {text}" for text in fits)
+        return (f"{head}: every output is NaN or inf, which alone singles out no mistake{could}; or look for a "
+                f"division by zero (l = 0), exp of +inf (a sign flipped in exp(m_old - m_new)?), or a read outside "
+                f"the inputs (content/l3.md §5)"), None
     if not fits:
         return (f"{head}, and no NaN this case planted can reach all of them: a division by zero, or a read outside "
                 f"the inputs (content/l3.md §5)"), None
@@ -190,31 +193,88 @@ def _explain_wrong(case, got, want, wrong, atol, rtol):
         return (f"wrong only at the causal boundary: each wrong query matches attention that sees one key more or "
                 f"one key less than its own position allows; look at the diagonal tiles' mask (key <= position) "
                 f"and at where the mask-free tiles stop (content/l3.md §4)"), None
-    finding = _describe_wrong(case, rows)
+    finding = _describe_wrong(case, got, want, wrong, atol, rtol)
     if boundary:
         finding += (f"; {boundary} of them see one key more or less than their position allows: look at the "
                     f"diagonal (key <= position) and at where the mask-free tiles stop (§4)")
     return finding, None
 
 
-def _describe_wrong(case, rows):
-    """No known mistake fits: say where the wrong tokens are, in the drill's terms."""
+def _describe_wrong(case, got, want, wrong, atol, rtol):
+    """No known mistake fits: say where the wrong tokens are, in the drill's terms, each
+    sentence only where it holds and sets the wrong tokens apart from the right ones."""
+    rows = wrong.any(dim=1)
     info = case.rows()
     bs, lens = case.block_size, case.seq_lens.long().tolist()
     bad = [info[t] for t in rows.nonzero().flatten().tolist()]
     good = [info[t] for t in (~rows).nonzero().flatten().tolist()]
+    head = f"the output is wrong for {len(bad)} query tokens"
+    strided = _contiguous_read(case)
+    if strided is not None and reproduces(got, want, strided, atol, rtol, rows):
+        total_q, num_heads, head_size = case.query.shape
+        return (f"{head}; they match attention whose query rows are read H_q·D = {num_heads * head_size} elements "
+                f"apart, but the query here is a row-strided view (of a fused QKV) whose rows are "
+                f"query.stride(0) = {case.query.stride(0)} apart: step from token to token by the row stride "
+                f"(content/l3.md §5)")
     parts = []
     if all(lens[b] - case.q_lens[b] > 0 for b, _, _ in bad) and any(lens[b] == case.q_lens[b] for b, _, _ in good):
         parts.append("only chunks over a cached prefix are wrong; pure prefills are right: look at how the prefix "
                      "enters (the offset seq_len - q_len, the loop's first key)")
     last_start = {b: (n - 1) // bs * bs for b, n in enumerate(lens)}
-    if all(pos >= last_start[b] and lens[b] % bs for b, _, pos in bad):
-        parts.append("only queries whose keys reach into the last, partly filled block are wrong: look at the last "
-                     "block's mask (keys past seq_len) and at whether it is read at all")
+
+    def in_partial_last(b, pos):
+        return pos >= last_start[b] and lens[b] % bs != 0
+    # Said only where it sets the wrong tokens apart: some right token's keys stop short of such a block.
+    last_block = all(in_partial_last(b, pos) for b, _, pos in bad) and not all(in_partial_last(b, pos)
+                                                                               for b, _, pos in good)
+    # The first wrong position, when every query before it is right and it is a possible tile edge.
+    lo = min(pos for _, _, pos in bad)
+    first_keys = lo > 0 and lo % 16 == 0 and any(pos < lo for _, _, pos in good)
+    tiles = " or ".join(str(t) for t in (16, 32, 64, 128) if lo % t == 0)
+    also = f" (and a cache block of {bs} tokens)" if lo % bs == 0 else ""
+    keys = (f"every query that sees at most {lo} keys is right, and every wrong one sees more: the first {lo} keys "
+            f"come out right, and a key tile of {tiles} keys{also} ends there, so look at what happens from the "
+            f"next key tile on: the rescale of the running sum and accumulator by exp(m_old - m_new), that tile's "
+            f"mask")
+    blocks = ("only queries whose keys reach into the last, partly filled block are wrong: look at the last "
+              "block's mask (keys past seq_len) and at whether it is read at all")
+    if last_block and first_keys:
+        parts.append(f"either {keys}; or {blocks} (this case cannot tell the two apart)")
+    elif last_block:
+        parts.append(blocks)
+    elif first_keys:
+        parts.append(keys)
     if all(case.q_lens[b] == 1 for b, _, _ in bad) and good:
         parts.append("only decode rows (q_len = 1) are wrong")
+    parts += _wrong_heads(case, wrong)
     where = "; ".join(parts) if parts else "it matches none of the usual mistakes (§8)"
-    return f"the output is wrong for {len(bad)} query tokens; {where} (content/l3.md §5)"
+    return f"{head}; {where} (content/l3.md §5)"
+
+
+def _contiguous_read(case):
+    """The output had each token's query been read H_q·D elements after the previous
+    one's (None when the query's rows are H_q·D apart anyway)."""
+    total_q, num_heads, head_size = case.query.shape
+    if total_q < 2 or case.query.stride(0) == num_heads * head_size or not case.query[0].is_contiguous():
+        return None
+    query = torch.as_strided(case.query, case.query.shape, (num_heads * head_size, head_size, 1))
+    return ref_paged_prefill(query, *case.args()[1:], scale=case.scale)
+
+
+def _wrong_heads(case, wrong):
+    """When some query heads are right in every token: which heads are wrong."""
+    if bool(wrong.any(dim=0).all()):  # every head is wrong somewhere
+        return []
+    num_heads, num_kv_heads = case.query.shape[1], case.k_cache.shape[2]
+    group = num_heads // num_kv_heads
+    heads = wrong.any(dim=0).nonzero().flatten().tolist()
+    slots = sorted({h % group for h in heads})
+    said = (f"only some query heads of them are wrong, heads {heads} of {num_heads} (member(s) {slots} of each KV "
+            f"head's group of {group}); the other heads are right")
+    if slots == list(range(len(slots))) and len(slots) < group:
+        said += (": the first members of a group are what a tile row past its BLOCK_Q · group live rows would "
+                 "hold (row r: query r // group, head r % group); is every such spare row masked?")
+    return [said]
 
 
 def _describe(case):
