@@ -71,14 +71,14 @@ def check_self_test_positions(text):
 
 
 def check_self_test_grid(text):
-    """Self-test 2: the grid's upper bound and which blocks each sequence owns."""
+    """Self-test 2: the grid's upper bound and which query blocks each sequence owns."""
     q = _self_test(text, 2)
     lens = [int(x) for x in re.search(r"q_len 依次是 ([\d、]+)", q).group(1).split("、")]
     block_q = int(re.search(r"BLOCK_Q = (\d+)", q).group(1))
     bound = int(re.search(r"上界 = [^=]*= (\d+)", q).group(1))
     starts = [0] + list(torch.tensor(lens).cumsum(0).tolist())
     assert bound == sum(lens) // block_q + len(lens)
-    firsts = [int(x) for x in re.search(r"第一块的编号依次是 ([\d、]+)", q).group(1).split("、")]
+    firsts = [int(x) for x in re.search(r"第一个查询块的编号依次是 ([\d、]+)", q).group(1).split("、")]
     assert firsts == [starts[b] // block_q + b for b in range(len(lens))]
     used = int(re.search(r"真正干活的 program 有 (\d+) 个", q).group(1))
     assert used == sum(-(-n // block_q) for n in lens)
@@ -106,6 +106,46 @@ def check_self_test_tiles(text):
     assert diag == list(range(num_full * tile, end, tile))
 
 
+# The formulas §4 asks for, which only the hints (§7) may give: the grid bound, the
+# first query block of a sequence, the end of the mask-free tiles, vLLM's clamp line.
+STAGED = ("total_q // BLOCK_Q + B", "query_start_loc[b] // BLOCK_Q + b", "(P + 1) // TILE",
+          'm_j = tl.where(m_j > float("-inf"), m_j, 0.0)', "first + r // group")
+
+
+def check_hints_stage_the_formulas(text):
+    """§4 poses the problems and the hints of §7 answer them: each formula is in a hint,
+    and none stands in the open part before the hints (§1-§6)."""
+    from types import SimpleNamespace
+
+    from _commands import hints  # what `make hint DRILL=l3` prints, read the same way
+    given = hints(SimpleNamespace(page="content/l3.md"))
+    staged = "\n".join(given)
+    assert "## 7. 提示" in text and text.index("## 7. 提示") < text.index("## 8. ") and len(given) >= 5
+    before = text[:text.index("## 7. 提示")]
+    for formula in STAGED:
+        assert formula in staged, f"no hint of content/l3.md gives {formula}"
+        assert formula not in before, f"content/l3.md gives {formula} before the hints (§1-§6)"
+
+
+# 块 alone means nothing on this page: the chunk is 新段, the kernel's rows a 查询块,
+# the cache's unit a 物理块 (逻辑块 as in L1).
+BARE_BLOCK = re.compile(r"(?<!物理|查询|逻辑)块")
+
+
+def check_block_words(text):
+    """Every 块 on the page is one of 物理块, 查询块, 逻辑块: 'the last block' must say which."""
+    bare = [text[max(0, m.start() - 8):m.end() + 4] for m in BARE_BLOCK.finditer(text)]
+    assert not bare, f"content/l3.md uses a bare 块 (say 物理块, 查询块 or 新段): {bare}"
+
+
+def check_upstream_reasons(text):
+    """§2 gives the reason for chunking (Sarathi-Serve's token budget, decodes ride along) and
+    §3 says that SDPA's is_causal=True is aligned top-left, i.e. causal_offset_missing."""
+    s2, s3 = _section(text, 2), _section(text, 3)
+    assert "Sarathi-Serve" in s2 and "token 预算" in s2 and "decode" in s2
+    assert "is_causal=True" in s3 and "causal_lower_right" in s3 and "pitfall:causal_offset_missing" in s3
+
+
 # ---------------------------------------------------------------------------
 
 def check_traffic_line(text):
@@ -118,4 +158,5 @@ def check_traffic_line(text):
 
 
 PAGE_CHECKS = (check_traffic_line, check_worked_example, check_bench_flops_and_bytes, check_self_test_positions,
-               check_self_test_grid, check_self_test_rows, check_self_test_tiles)
+               check_self_test_grid, check_self_test_rows, check_self_test_tiles, check_hints_stage_the_formulas,
+               check_block_words, check_upstream_reasons)

@@ -68,7 +68,7 @@ def check_numbers_in_prose(text):
 
 
 def check_self_tests(text):
-    """§9's answers."""
+    """§9's answers (the self-tests)."""
     t = SELF_TEST_MERGE
     v, s = ref_merge(t["v_a"], t["s_a"], t["v_b"], t["s_b"])
     assert abs(v - 4.0) < 1e-12 and abs(s - math.log(9)) < 1e-12
@@ -99,6 +99,54 @@ def check_one_split(text):
         assert abs(float(out) - want) < 1e-4, f"{name} at one split gives {float(out)}, not {want}"
 
 
+def _fa2_num_splits(n, slots, n_blocks, max_splits=128):
+    """FlashAttention-2's num_splits_heuristic (csrc/flash_attn/flash_api.cpp at the commit the
+    page pins): (splits, efficiency per split count), efficiency = waves / ceil(waves)."""
+    if n >= 0.8 * slots:
+        return 1, []
+    max_splits = min(max_splits, slots, n_blocks)
+    eligible = [s == 1 or -(-n_blocks // s) != -(-n_blocks // (s - 1)) for s in range(1, max_splits + 1)]
+    eff = [(n * s / slots) / math.ceil(n * s / slots) if ok else 0.0 for s, ok in zip(range(1, max_splits + 1), eligible)]
+    best = max(eff)
+    return next(s for s, e in zip(range(1, max_splits + 1), eff) if e >= 0.85 * best), eff
+
+
+def check_fa2_heuristic(text):
+    """§5.3: FA2's rule on the B = 8 bench (64 programs, 2 x 132 slots, 4096 / 128 key blocks)
+    picks 4 splits at 0.9697; 5 splits make a nearly empty second wave (0.6061); this drill's
+    4-per-SM rule (528 slots) scores 8 and 10 splits the same way."""
+    sec = text[text.index("### 5.3"):text.index("## 6. ")]
+    assert "num_splits_heuristic" in sec and "00979f57acf503b0b080ff08ada0007080074649" in sec
+    splits, eff = _fa2_num_splits(8 * 8, 2 * 132, 4096 // 128)
+    assert splits == 4 and "选 4 段" in sec
+    for value in (eff[3], eff[4]):
+        _on_page(sec, value, 4, "FA2's efficiency at 4 and 5 splits")
+    ours = [(64 * s / 528) / math.ceil(64 * s / 528) for s in (8, 10)]
+    assert f"{ours[0]:.4f}" == f"{eff[3]:.4f}" and f"{ours[1]:.4f}" == f"{eff[4]:.4f}"
+    for line in ("8 × 8 = 64", "2 × 132 = 264"):
+        assert line in sec
+
+
+def check_contract_on_this_page(text):
+    """§1 and §6 state the contract and the input checks themselves, not by pointing at L2;
+    §5.2 says the merge serves cascade (shared-prefix) attention."""
+    s1, s6 = _section(text, 1), _section(text, 6)
+    assert "完全一样" not in s1 + s6, "content/l4.md should state L2's contract, not point at it"
+    for needle in ("[B, H_q, D]", "[num_blocks, block_size, H_kv, D]", "h // group", "[B, max_blocks]",
+                   "int32 或 int64", "float16、bfloat16 或 float32", "`scale=None`"):
+        assert needle in s1, f"content/l4.md §1 should state {needle}"
+    for needle in ("num_splits", "H_q % H_kv == 0", "int32 或 int64", "同一个 device", "out[b]", "整体连续",
+                   "max_blocks · block_size", "[0, num_blocks)"):
+        assert needle in s6, f"content/l4.md §6 should list {needle}"
+    assert "cascade" in text[text.index("### 5.2"):text.index("### 5.3")]
+
+
+def _section(text, n):
+    start = text.index(f"## {n}. ")
+    end = text.find("\n## ", start + 4)
+    return text[start:end if end > 0 else len(text)]
+
+
 # ---------------------------------------------------------------------------
 
 def check_traffic_line(text):
@@ -110,4 +158,4 @@ def check_traffic_line(text):
 
 
 PAGE_CHECKS = (check_traffic_line, check_worked_example, check_occupancy, check_numbers_in_prose, check_one_split,
-               check_self_tests)
+               check_self_tests, check_fa2_heuristic, check_contract_on_this_page)
