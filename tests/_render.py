@@ -17,6 +17,9 @@ def make_console():
     return Console() if sys.stdout.isatty() else Console(width=int(os.environ.get("COLUMNS", 160)))
 
 
+# How tests/_report.py marks a line of the learner's output that a library printed.
+INTERPRETER_MARK, LIBRARY_MARK = "(Triton's interpreter, not your print) ", "(a library, not your print) "
+
 STYLE = {"passed": "bold green", "failing": "bold red", "not started": "yellow"}
 
 
@@ -103,7 +106,9 @@ def _failure_panel(s, tree):
             body.append("\n".join(example[:14]) + ("\n..." if len(example) > 14 else "") + "\n", style="dim")
         for stream in ("stdout", "stderr"):
             if first.get(stream):
-                body.append(f"your code printed ({stream}, last lines):\n{first[stream]}\n", style="dim")
+                body.append(f"your code printed ({stream}, last lines):\n", style="dim")
+                for line in first[stream].splitlines():  # the learner's own lines stand out, a library's are dim
+                    body.append(line + "\n", style="dim" if line.startswith((INTERPRETER_MARK, LIBRARY_MARK)) else "")
     body.append(f"read {s['page']}; run this drill alone with: python grader.py {s['id']} --tree {tree}; "
                 f"a hint: python grader.py hint {s['id']}; one test with its output: "
                 f".venv/bin/pytest --tree={tree} -m {s['id']} -x -s -k NAME", style="italic")

@@ -30,7 +30,7 @@ def _fitting_prefix(case, b, got_b, atol, rtol):
     """(k, align): the first k chunks of sequence b, cut with some rounding, merged give
     its output on every head, while all of them do not; None when none fits."""
     scores, values = case.scores_values()[b]
-    for align in sorted({*_ALIGNS, case.block_size}):
+    for align in [SHOWN_ALIGN, *sorted({*_ALIGNS, case.block_size} - {SHOWN_ALIGN})]:
         states = chunk_states(scores, values, chunk_bounds(scores.shape[1], case.num_splits, align))
         for k in range(1, len(states)):
             if all(states[j][1].isinf().all() for j in range(k, len(states))):
@@ -70,7 +70,8 @@ def draw_case(saved, console, merge=None):
         fit = ""
         if wrong and bool(torch.isfinite(got[b]).all()):
             found = _fitting_prefix(case, b, got[b], atol, rtol)
-            fit = (f"chunks 0..{found[0] - 1} alone (rounded to {found[1]}), the rest not merged" if found
+            fit = (f"chunks 0..{found[0] - 1} alone"
+                   + ("" if found[1] == SHOWN_ALIGN else f" (chunks rounded to {found[1]})") + ", the rest not merged" if found
                    else "no prefix of the chunks")
         table.add_row(str(b), str(n), str(case.block_table[b].cpu()[owned[b]].tolist()), chunks,
                       *(_status(got[b, h], bool(right[b, h])) for h in range(num_heads)), Text(fit, style="yellow"))
