@@ -6,7 +6,7 @@
 #   make diff DRILL=l1         your file next to the reference, side by side (TREE=path for a learner's copy)
 #   make reset DRILL=l1        back up your file to .drills/backups/, then restore the stub
 #   make hint DRILL=l1         the next hint from the drill's page
-#   make show DRILL=l1         draw the cache your code writes, next to the expected one
+#   make show DRILL=l1         draw what your code gives on a small case (exits 0 whenever it draws)
 #   make watch DRILL=l1        re-grade whenever your file changes
 #   make doctor                check Python, torch, Triton, numpy and the interpreter
 #   make clean                 remove .venv and caches

@@ -26,15 +26,26 @@ def in_subprocess(drill, tree, width, color, workdir):
 
 
 def show(drill, tree, console, case_path=None):
-    """Draw a saved case, or run the tree's code on the drill's example and draw that."""
-    if case_path:
-        import torch
-        drill.draw_case(torch.load(case_path, weights_only=False), console)
-        return 0
+    """Draw a saved case, or run the tree's code on the drill's example and draw that.
+
+    Exit status 0 whenever a picture is drawn, whatever the learner's code did there (a
+    stub's NotImplementedError, an exception, a wrong answer: the picture says which);
+    1 only when no picture could be drawn, with a sentence saying why."""
     if drill.picture is None:
-        console.print(f"{drill.id.upper()} has no picture yet")
+        console.print(f"{drill.id.upper()} has no picture; python grader.py {drill.id} grades it")
+        return 0
+    try:
+        if case_path:
+            import torch
+            drill.draw_case(torch.load(case_path, weights_only=False), console)
+        else:
+            from _worker import WORKER, tree_module
+            try:
+                drill.picture(tree_module(tree, drill.stem), console)
+            finally:
+                WORKER.stop()
+    except Exception as error:  # a crash of the learner's process, or of the picture itself
+        console.print(f"[bold red]could not draw {drill.id.upper()}'s picture: {type(error).__name__}: {error}[/]")
         return 1
-    from _worker import tree_module
-    drill.picture(tree_module(tree, drill.stem), console)
     return 0
 

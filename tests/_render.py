@@ -17,6 +17,9 @@ def make_console():
     return Console() if sys.stdout.isatty() else Console(width=int(os.environ.get("COLUMNS", 160)))
 
 
+# How tests/_report.py marks a line of the learner's output that a library printed.
+INTERPRETER_MARK, LIBRARY_MARK = "(Triton's interpreter, not your print) ", "(a library, not your print) "
+
 STYLE = {"passed": "bold green", "failing": "bold red", "not started": "yellow"}
 
 
@@ -69,7 +72,8 @@ def _traffic_lines(console, grade):
     if not rows:
         return
     console.print("\n[bold]traffic[/] · bytes each drill's traffic case moved in Triton's CPU interpreter, "
-                  "against the fewest the op needs (the bytes the GPU bandwidth report counts)")
+                  "against the fewest the op needs (the bytes the GPU bandwidth report counts). The total weighs "
+                  "each tensor by its bytes; the reference's line, the one its page prints, is beside yours")
     for s in rows:
         t = s["traffic"]
         if "error" in t:
@@ -78,8 +82,21 @@ def _traffic_lines(console, grade):
         line = Text(t["line"].removesuffix(t["tier"]))
         line.append(t["tier"], style=TIER_STYLE.get(t["tier"], ""))
         console.print(line)
+        if t.get("reference"):
+            console.print(f"    [dim]reference: {t['reference'].removeprefix(s['id'].upper()).strip()}[/]")
+        if t.get("shares"):
+            console.print(f"    [dim]the total is set by {matters(t['shares'])}[/]")
         for where in t["where"]:
             console.print(f"    [yellow]{where}[/]")
+
+
+def matters(shares, floor=0.05):
+    """"K/V 97%, query 3% of the fewest bytes; block table, lengths under 5% each": which
+    tensors set the total and which barely move it."""
+    big = [f"{label} {100 * share:.0f}%" for label, share in shares.items() if share >= floor]
+    small = [label for label, share in shares.items() if share < floor]
+    return ", ".join(big) + " of the fewest bytes loaded" + (
+        f"; {', '.join(small)} under {100 * floor:.0f}% each, so their ratios barely move the total" if small else "")
 
 
 def _failure_panel(s, tree):
@@ -103,7 +120,9 @@ def _failure_panel(s, tree):
             body.append("\n".join(example[:14]) + ("\n..." if len(example) > 14 else "") + "\n", style="dim")
         for stream in ("stdout", "stderr"):
             if first.get(stream):
-                body.append(f"your code printed ({stream}, last lines):\n{first[stream]}\n", style="dim")
+                body.append(f"your code printed ({stream}, last lines):\n", style="dim")
+                for line in first[stream].splitlines():  # the learner's own lines stand out, a library's are dim
+                    body.append(line + "\n", style="dim" if line.startswith((INTERPRETER_MARK, LIBRARY_MARK)) else "")
     body.append(f"read {s['page']}; run this drill alone with: python grader.py {s['id']} --tree {tree}; "
                 f"a hint: python grader.py hint {s['id']}; one test with its output: "
                 f".venv/bin/pytest --tree={tree} -m {s['id']} -x -s -k NAME", style="italic")

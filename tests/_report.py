@@ -10,11 +10,13 @@ import hashlib
 import hmac
 import json
 import os
+import re
 import traceback
 
 import pytest
 
 from _diagnose import Mismatch, explain_error
+from _render import INTERPRETER_MARK, LIBRARY_MARK
 from _worker import LearnerCrash, LearnerError, LearnerTimeout
 
 
@@ -79,9 +81,68 @@ def _variant(item):
     return callspec.params.get("variant") if callspec else None
 
 
+# A warning Python printed from a library's file: "<...>/site-packages/<path>:<line>: <Category>: <message>",
+# followed by the library's source line, indented.
+_LIBRARY_WARNING = re.compile(r"^(?:\S*[/\\])?(?:site|dist)-packages[/\\](\S+?):(\d+): (\w+): (.*)$")
+
+
+def _mark_library_warnings(lines):
+    """Each warning a library printed (Triton's interpreter: a RuntimeWarning of numpy's,
+    overflow in exp and the like) as one line marked as not the learner's, its path
+    short (triton/runtime/interpreter.py:725) and the library's source line dropped."""
+    out, skip_source = [], False
+    for line in lines:
+        if skip_source and line.startswith("  "):
+            skip_source = False
+            continue
+        match = _LIBRARY_WARNING.match(line)
+        skip_source = bool(match)
+        if match:
+            path, lineno, category, message = match.groups()
+            owner = INTERPRETER_MARK if path.startswith("triton/") else LIBRARY_MARK
+            line = f"{owner}{path}:{lineno}: {category}: {message}"
+        out.append(line)
+    return out
+
+
 def _trim(text, lines=12):
-    text = (text or "").strip("\n").splitlines()
+    text = _mark_library_warnings((text or "").strip("\n").splitlines())
     return "\n".join(text[-lines:]) if text else ""
+
+
+# --- the traceback a learner reads when running a test: the learner's frames, not the machinery's
+
+TESTS = os.path.dirname(os.path.abspath(__file__))
+
+
+def is_machinery(path):
+    """A frame of the shared layer (tests/_*.py) or of a drill's folder (tests/drills/):
+    what a learner's traceback need not show. Test files and the learner's tree are kept."""
+    path = os.path.abspath(str(path))
+    return (os.path.dirname(path) == TESTS and os.path.basename(path).startswith("_")) or \
+        path.startswith(os.path.join(TESTS, "drills") + os.sep)
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    """Registered by tests/_plugin.py for every run (not only the grading run's report):
+    a failure's traceback loses the machinery's frames (the check's own source, the
+    worker's call), since the message already says what the check found; an error the
+    learner's code raised in the worker gains a section saying where in their file.
+    `pytest --fulltrace` keeps every frame (pytest then does not call the filter)."""
+    excinfo = call.excinfo
+    original = getattr(item, "_traceback_filter", None)  # pytest's own filter (cut at the test, hidden frames)
+    if excinfo is not None and original is not None and not getattr(original, "hides_machinery", False):
+        def without_machinery(info):
+            traceback = original(info)
+            kept = traceback.filter(lambda entry: not is_machinery(entry.path))
+            return kept if len(kept) else traceback
+        without_machinery.hides_machinery = True
+        item._traceback_filter = without_machinery
+    report = (yield).get_result()
+    where = getattr(_first_leaf(excinfo.value), "where", None) if excinfo is not None else None
+    if report.failed and where:
+        report.sections.append(("where your code raised it", where))
 
 
 class Reporter:

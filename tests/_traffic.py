@@ -6,6 +6,7 @@ import json
 import re
 import sys
 from dataclasses import dataclass
+from pathlib import Path
 
 import _env
 from _counting import bytes_of, measure_here
@@ -83,7 +84,10 @@ def report(drill_id, traffic, parts, where=()):
             + (" (" + ", ".join(f"{label} {fmt(r)}" for label, r in stored_items) + ")" if len(stored_items) > 1
                else "")
             + f" · {tier}")
-    return dict(loads=loads, stores=stores, parts=dict(items), stored_parts=dict(stored_items), tier=tier,
+    # Each part's share of the fewest loads: the total is a byte-weighted mean, so the
+    # big tensors set it and a small one read several times over barely moves it.
+    shares = {p.label: p.fewest_loaded / fewest_loads for p in parts if p.fewest_loaded}
+    return dict(loads=loads, stores=stores, parts=dict(items), stored_parts=dict(stored_items), shares=shares, tier=tier,
                 where=list(where), line=line, loaded=traffic.loaded, stored=traffic.stored,
                 fewest_loaded=fewest_loads, fewest_stored=fewest_stores)
 
@@ -111,3 +115,14 @@ def in_subprocess(drill, tree, timeout=300):
         return dict(error=f"the traffic case did not run ({'timed out' if code is None else f'exit {code}'}): "
                           f"{tail[0][:200]}")
     return json.loads(out.strip().splitlines()[-1])
+
+
+def with_reference(drill, tree, reference):
+    """in_subprocess for `tree`, with the `reference` tree's line for the same case beside
+    it (result["reference"]), so a learner can tell their ratios from the page's."""
+    result = in_subprocess(drill, tree)
+    if result is not None and Path(tree).resolve() != Path(reference).resolve():
+        theirs = in_subprocess(drill, reference)
+        result["reference"] = theirs.get("line") if theirs else None
+    return result
+

@@ -135,3 +135,129 @@ def test_the_l2_picture_marks_what_is_wrong_and_what_was_never_written():
     row0 = next(r for r in rows if r.strip().startswith("0 "))
     row1 = next(r for r in rows if r.strip().startswith("1 "))
     assert "✓" in row0 and "✗" not in row0 and "·" in row1
+
+
+# --- the L3 and L4 pictures: `make show` exits 0 when it draws, the stub included --------
+
+
+@pytest.mark.parametrize("drill,says", [("l3", "every query row right"), ("l4", "every merge right")])
+def test_the_l3_and_l4_pictures_draw_the_reference_and_exit_0(here, drill, says):
+    code, out = here("show", drill, "--tree", "solutions")
+    assert code == 0 and says in out, out
+    assert out.count("✗") == 1  # the legend's alone: no wrong output
+
+
+@pytest.mark.parametrize("drill", ["l3", "l4"])
+def test_the_pictures_of_a_stub_draw_what_they_can_and_exit_0(here, drill):
+    """A stub is not an error of `show`: it draws the expected mask or chunks, says the
+    function is not written yet, and exits 0 (tests/_picture.py show)."""
+    code, out = here("show", drill, "--tree", "mine")
+    assert code == 0 and "is not written yet" in out, out
+    assert ("key position" if drill == "l3" else "chunks [start, end)") in out
+
+
+def test_show_says_why_when_it_cannot_draw():
+    import dataclasses
+
+    from rich.console import Console
+
+    import _picture
+    from _manifest import BY_ID
+
+    def broken(module, console):
+        raise RuntimeError("the learner's process died")
+    console = Console(record=True, width=200)
+    code = _picture.show(dataclasses.replace(BY_ID["l3"], picture=broken), ROOT / "solutions", console)
+    assert code == 1 and "could not draw L3's picture: RuntimeError: the learner's process died" in \
+        console.export_text()
+
+
+def test_the_l3_picture_marks_the_wrong_rows_with_the_window_they_fit():
+    from rich.console import Console
+
+    from drills.l3.picture import PICTURE_CASE, draw_case
+    from drills.l3.cases import paged_prefill_case
+
+    case = paged_prefill_case(**PICTURE_CASE)
+    got = case.reference(mask="top_left").float()  # no causal offset: query i sees keys 0..i
+    console = Console(record=True, width=200)
+    draw_case((case, got), console)
+    text = console.export_text()
+    assert "q0 (pos 5)" in text and "fits keys 0..0, not 0..5" in text and "it owns blocks" in text
+    assert "5 of 8 query rows wrong" in text  # the pure prefill of sequence 1 is right either way
+
+
+def test_the_l4_picture_shows_empty_chunks_and_the_first_wrong_merge():
+    from rich.console import Console
+
+    from drills.l4.cases import split_case
+    from drills.l4.picture import PICTURE_CASE, draw_case
+
+    case = split_case(**PICTURE_CASE)
+    console = Console(record=True, width=200)
+    draw_case((case, case.reference()), console, merge=lambda v_a, s_a, v_b, s_b: (v_a, s_a))  # side b dropped
+    text = console.export_text()
+    assert "[0,1): 1  empty  empty  empty" in text and "[192,200): 8" in text
+    assert "the first wrong merge: sequence 2, chunk 1" in text
+
+
+# --- the failure panel and what the learner's code printed --------------------------------
+
+
+def test_the_failure_footer_names_the_graded_tree():
+    from rich.console import Console
+
+    import _render
+
+    s = dict(id="l3", title="Chunked-prefill attention", page="content/l3.md", failed=1, total=9, problem=None,
+             first_failure=dict(name="test_worked_example", kind="mismatch", message="wrong", where=None, example="",
+                                stdout="", stderr=""))
+    console = Console(record=True, width=400)
+    console.print(_render._failure_panel(s, "/home/alice/mine"))
+    text = console.export_text()
+    assert "python grader.py l3 --tree /home/alice/mine" in text and "--tree=/home/alice/mine" in text
+    assert "--tree mine" not in text and "--tree=mine" not in text
+
+
+def test_interpreter_warnings_are_marked_with_short_paths_and_the_learners_lines_stand_out():
+    from rich.console import Console
+
+    import _render
+    import _report
+
+    printed = ("my positions: [0, 1]\n"
+               "/home/u/drills/.venv/lib/python3.11/site-packages/triton/runtime/interpreter.py:725: RuntimeWarning: "
+               "overflow encountered in exp\n  return TensorHandle(op(arg.data), arg.dtype.scalar)\n"
+               "/home/u/drills/mine/l3_paged_prefill.py:12: RuntimeWarning: mine\n  warnings.warn('mine')\n")
+    trimmed = _report._trim(printed)
+    assert trimmed.splitlines() == [
+        "my positions: [0, 1]",
+        f"{_render.INTERPRETER_MARK}triton/runtime/interpreter.py:725: RuntimeWarning: overflow encountered in exp",
+        "/home/u/drills/mine/l3_paged_prefill.py:12: RuntimeWarning: mine", "  warnings.warn('mine')"]
+    s = dict(id="l3", title="t", page="content/l3.md", failed=1, total=1, problem=None,
+             first_failure=dict(name="n", kind="mismatch", message="m", where=None, example="", stdout="",
+                                stderr=trimmed))
+    console = Console(record=True, width=300, force_terminal=True, color_system="standard")
+    console.print(_render._failure_panel(s, "mine"))
+    html = console.export_html()
+    assert "site-packages" not in html and "Triton&#x27;s interpreter, not your print" in html
+
+
+def test_a_failing_tests_traceback_hides_the_machinery(tmp_path):
+    """`pytest -p _report` (tests/_plugin.py should register tests/_report.py's hook for
+    every run): the check's source and the worker's frames are hidden, the message stays,
+    and an exception in the learner's code says where in their file it was raised."""
+    import _wrong
+    from _manifest import BY_ID
+
+    wrong = _wrong.plant(BY_ID["l3"], "causal_offset_missing", tmp_path / "wrong")
+    raises = _wrong.plant_edits(BY_ID["l3"], (("    _check_inputs(query, k_cache", "    [][1]\n    _check_inputs("
+                                               "query, k_cache"),), tmp_path / "raises")
+    for tree, says in ((wrong, "pitfall:causal_offset_missing"), (raises, "where your code raised it")):
+        result = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "_report", "tests/test_l3_paged_prefill.py",
+                                 f"--tree={tree}", "-x", "-k", "chunk_over_a_prefix"], cwd=ROOT, capture_output=True,
+                                text=True, timeout=300)
+        out = result.stdout
+        assert result.returncode == 1 and says in out, out
+        assert "def check_paged_prefill" not in out and "tests/_worker.py" not in out and "tests/drills/" not in out
+        assert "test_chunk_over_a_prefix_sees_the_prefix" in out

@@ -262,5 +262,26 @@ def test_the_grade_computes_the_line_in_a_process_of_its_own_and_draws_it():
     assert text.count("loads ") == 1 and "· wasteful" in text and "once per query head" in text
 
 
+def test_the_grade_prints_the_references_line_beside_the_learners_and_says_what_sets_the_total(tmp_path):
+    """A learner's L3 that reads the lengths differently: their ratio beside the
+    reference's (the page's), and the sentence that the lengths barely move the total."""
+    from rich.console import Console
+
+    import _render
+    from _tree import ROOT
+
+    tree = _wrong.plant_edits(L3, (), tmp_path / "tree")  # the reference, as a learner's tree elsewhere
+    result = _traffic.with_reference(L3, tree, ROOT / "solutions")
+    assert result["reference"] == result["line"] and result["line"].startswith("L3  loads")
+    assert abs(sum(result["shares"].values()) - 1) < 1e-9 and result["shares"]["lengths"] < 0.05
+    assert "reference" not in _traffic.with_reference(L3, ROOT / "solutions", ROOT / "solutions")
+    learner = dict(result, line=result["line"].replace("lengths 7.71×", "lengths 4.29×"))
+    console = Console(record=True, width=300)
+    _render._traffic_lines(console, dict(drills=[dict(id="l3", traffic=learner)]))
+    text = console.export_text()
+    assert "lengths 4.29×" in text and "reference: loads 1.00× the fewest bytes (" in text and "lengths 7.71×" in text
+    assert "the total is set by K/V" in text and "lengths under 5% each, so their ratios barely move the total" in text
+
+
 def teardown_module():
     WORKER.stop()

@@ -3,7 +3,8 @@
 cases (the shapes, the worked example, PrefillCase and its builders, the strategy),
 reference (the float64 reference, the tolerance), checks (the check and its diagnosis),
 mistakes (the pitfalls and other planted mistakes, PLANTED), bench (the bench workload),
-traffic (the traffic report and the garbage-table-read check), page (the page checks).
+traffic (the traffic report and the garbage-table-read check), picture (picture and draw_case),
+page (the page checks).
 """
 from _drill import Drill
 
@@ -12,6 +13,7 @@ from .cases import TEST_SHAPES, PrefillCase, example_case, example_outputs, page
 from .checks import check_paged_prefill
 from .mistakes import PLANTED, SECTION
 from .page import PAGE_CHECKS
+from .picture import draw_case, picture
 from .traffic import check_table_read_only_to_last_block, traffic
 
 __all__ = ["DRILL", "SECTION", "PrefillCase", "check_paged_prefill", "check_table_read_only_to_last_block",
@@ -26,5 +28,7 @@ DRILL = Drill(
     bench=BENCH,
     bench_work=bench_work,
     traffic=traffic,
+    picture=picture,
+    draw_case=draw_case,
     page_checks=PAGE_CHECKS,
 )

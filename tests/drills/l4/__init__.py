@@ -8,6 +8,7 @@ that knows this drill, in parts:
   mistakes   the pitfalls and other planted mistakes (PLANTED)
   bench      the bench cases and work
   traffic    the traffic case and report, the garbage-read check
+  picture    picture and draw_case
   page       the page checks
 
 The split count never changes the answer, only how it is summed; so the reference
@@ -21,6 +22,7 @@ from .bench import BENCH, bench_work
 from .cases import FIXTURE_CHECKS, TEST_SHAPES
 from .mistakes import PLANTED
 from .page import PAGE_CHECKS
+from .picture import draw_case, picture
 from .traffic import traffic
 
 # What tests/test_l4_split_kv_decode.py imports from drills.l4:
@@ -39,6 +41,8 @@ DRILL = Drill(
     bench=BENCH,
     bench_work=bench_work,
     traffic=traffic,
+    picture=picture,
+    draw_case=draw_case,
     page_checks=PAGE_CHECKS,
     fixture_checks=FIXTURE_CHECKS,
 )
