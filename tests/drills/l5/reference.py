@@ -20,12 +20,14 @@ def fp8_bytes(t):
 def quantise(x, scale, dtype, how="right"):
     """x [..., H, D] (any float dtype) into fp8 with scale [1] or [H]: fp8(saturate(x.float() / scale)).
     `how` replays a mistake: "multiplied" (x * scale), "source_dtype" (x / scale in x's own
-    dtype: rounded twice), "unsaturated" (no clamp: torch's cast gives NaN or inf there)."""
+    dtype: rounded twice; "source_dtype_scale": only the scale rounded to it), "unsaturated" (no clamp: torch's cast gives NaN or inf there)."""
     s = scale.to(x.device).view(-1, 1)
     if how == "multiplied":
         q = x.float() * s
     elif how == "source_dtype":
         q = (x / s.to(x.dtype)).float()
+    elif how == "source_dtype_scale":  # the same mistake as Triton's interpreter runs it: the scale
+        q = x.float() / s.to(x.dtype).float()  # rounded to x's dtype, the quotient kept in fp32
     else:
         q = x.float() / s  # fp32 / fp32: correctly rounded, as the contract says
     if how == "unsaturated":
