@@ -1,0 +1,80 @@
+"""L5's page checks: every number content/l5.md works out, recomputed (tests/test_content.py)."""
+import re
+
+import torch
+
+from _pages import section
+from _traffic import check_page_line
+from _tree import load_drill
+
+from .bench import write_bytes
+from .cases import WORKED_EXAMPLE, worked_example_numbers
+from .reference import FP8_MAX, quantise
+from .traffic import TRAFFIC_CASE, traffic
+
+
+def check_worked_example_table(text):
+    """§2's table: each value through both formats, and each byte, from torch (clamped, then cast)."""
+    part = section(text, 2)
+    numbers = worked_example_numbers()
+    rows = re.findall(r"^\| ([\d.]+) \| ([\d.]+)(?:（饱和）)? \| 0x([0-9A-F]{2}) \| ([\d.]+) \| 0x([0-9A-F]{2}) \|$", part,
+                      re.M)
+    assert [float(r[0]) for r in rows] == WORKED_EXAMPLE["values"]
+    for i, (_, e4, b4, e5, b5) in enumerate(rows):
+        assert float(e4) == numbers["e4m3fn"][i] and int(b4, 16) == numbers["bytes"]["e4m3fn"][i]
+        assert float(e5) == numbers["e5m2"][i] and int(b5, 16) == numbers["bytes"]["e5m2"][i]
+    assert numbers["bare_e5m2"] == float("inf") and "对 1e5 给出 inf" in part
+
+
+def check_format_table(text):
+    """§2: the largest finite values and e4m3fn's NaN bytes, from torch."""
+    part = section(text, 2)
+    for dtype, shown in ((torch.float8_e4m3fn, "448"), (torch.float8_e5m2, "57344")):
+        assert float(torch.finfo(dtype).max) == FP8_MAX[dtype] == float(shown)
+    nan = torch.tensor([0x7F, 0xFF], dtype=torch.uint8).view(torch.float8_e4m3fn).float()
+    assert bool(torch.isnan(nan).all()) and "`0x7F`、`0xFF`" in part
+    assert float(torch.tensor([0x7C], dtype=torch.uint8).view(torch.float8_e5m2).float()) == float("inf")
+
+
+def check_interpreter_counts(text):
+    """§4 quotes what was measured on Triton 3.9's interpreter; the sentence names the counts."""
+    assert "e4m3 错 2434 个、e5m2 错 4661 个" in section(text, 4)
+
+
+def check_self_test_quantise(text):
+    q = re.search(r"自测 1.*?k_scale = ([\d.]+).*?K 值是 ([\d.]+).*?存 \*\*(\d+)\*\*.*?得 \*\*([\d.]+)\*\*", text, re.S)
+    scale, x, stored, back = float(q.group(1)), float(q.group(2)), float(q.group(3)), float(q.group(4))
+    got = quantise(torch.tensor([[[x]]]), torch.tensor([scale]), torch.float8_e4m3fn).float().item()
+    assert got == stored and abs(got * scale - back) < 1e-6
+
+
+def check_self_test_saturation(text):
+    q = re.search(r"自测 2.*?e5m2 里，(\d+) 除以.*?存 \*\*(\d+)\*\*（字节 0x([0-9A-F]{2})）.*?给 \*\*inf\*\*", text, re.S)
+    x, stored, byte = float(q.group(1)), float(q.group(2)), int(q.group(3), 16)
+    fp8 = quantise(torch.tensor([[[x]]]), torch.ones(1), torch.float8_e5m2)
+    assert fp8.float().item() == stored and int(fp8.view(torch.uint8)) == byte
+    assert torch.tensor([x]).to(torch.float8_e5m2).float().item() == float("inf")
+
+
+def check_self_test_write_bytes(text):
+    total = int(re.search(r"自测 4.*?共 \*\*(\d+)\*\* 字节", text, re.S).group(1))
+    assert total == write_bytes(num_tokens=65536, num_heads=8, head_size=128, dtype="bfloat16")
+
+
+def check_bytes_saved(text):
+    """§6: fp16 and fp8 K+V of the B=8, ctx 32768 bench case."""
+    part = section(text, 6)
+    fp16, fp8 = (int(n) for n in re.findall(r"= (\d+) 字节", part)[:2])
+    elements = 2 * 8 * 32768 * 8 * 128
+    assert (fp16, fp8) == (2 * elements, elements)
+
+
+def check_traffic_line(text):
+    p = TRAFFIC_CASE
+    assert (p["num_seqs"], p["context"], p["num_heads"], p["num_kv_heads"], p["head_size"], p["num_splits"]) == \
+        (2, 200, 8, 2, 32, 4) and "H_q = 8、H_kv = 2、D = 32、分 4 段" in text
+    check_page_line(text, "l5", traffic(load_drill("solutions", "l5_fp8_kv_cache")))
+
+
+PAGE_CHECKS = (check_traffic_line, check_worked_example_table, check_format_table, check_interpreter_counts,
+               check_self_test_quantise, check_self_test_saturation, check_self_test_write_bytes, check_bytes_saved)
