@@ -55,8 +55,9 @@ def pytest_configure(config):
     config.addinivalue_line("markers", "meta: checks of the repository itself (stubs, pages, grader)")
     config.addinivalue_line("markers", "pitfall(name): the test exists to catch this pitfall of the drill's page")
     config.addinivalue_line("markers", "launches_nothing: the test's calls have nothing to do, so no kernel need run")
+    import _report
+    config.pluginmanager.register(_report, "drills-tracebacks")  # the learner's frames, not the machinery's
     if config.getoption("--drills-report"):
-        import _report
 
         fd = config.getoption("--drills-key-fd")
         key = os.read(fd, 256) if fd is not None else b""

@@ -244,7 +244,7 @@ def test_interpreter_warnings_are_marked_with_short_paths_and_the_learners_lines
 
 
 def test_a_failing_tests_traceback_hides_the_machinery(tmp_path):
-    """`pytest -p _report` (tests/_plugin.py should register tests/_report.py's hook for
+    """A plain pytest run (tests/_plugin.py registers tests/_report.py's hook for
     every run): the check's source and the worker's frames are hidden, the message stays,
     and an exception in the learner's code says where in their file it was raised."""
     import _wrong
@@ -254,7 +254,7 @@ def test_a_failing_tests_traceback_hides_the_machinery(tmp_path):
     raises = _wrong.plant_edits(BY_ID["l3"], (("    _check_inputs(query, k_cache", "    [][1]\n    _check_inputs("
                                                "query, k_cache"),), tmp_path / "raises")
     for tree, says in ((wrong, "pitfall:causal_offset_missing"), (raises, "where your code raised it")):
-        result = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "_report", "tests/test_l3_paged_prefill.py",
+        result = subprocess.run([sys.executable, "-m", "pytest", "-q", "tests/test_l3_paged_prefill.py",
                                  f"--tree={tree}", "-x", "-k", "chunk_over_a_prefix"], cwd=ROOT, capture_output=True,
                                 text=True, timeout=300)
         out = result.stdout
