@@ -86,6 +86,8 @@ def known_mistakes(drill, outcome, got):
     compared bit for bit. A variant that cannot run on it is no evidence."""
     found, undecided = [], []
     for name in drill.pitfalls:
+        if not drill.pitfalls[name].applies(_env.INTERPRET):
+            continue
         try:
             theirs = outcome(_wrong.variant(drill, name))
             # The interpreter runs programs one after another; on a GPU a race can agree with

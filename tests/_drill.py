@@ -42,6 +42,11 @@ class Pitfall:
     edits: tuple
     crashes: bool = False
     races: bool = False
+    interpreter_only: bool = False  # on a GPU the mistake changes nothing (the hardware does what the edit
+                                    # removes): planted and graded only under the interpreter
+
+    def applies(self, interpret):
+        return interpret or not self.interpreter_only
 
 
 @dataclass(frozen=True)

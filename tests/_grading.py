@@ -22,6 +22,7 @@ import threading
 import time
 from pathlib import Path
 
+import _env
 import _wrong
 from _process import exit_name, run_process
 from _report import read_signed
@@ -207,7 +208,8 @@ def start_grading(drills, timeout=900):
         return
     folder = _wrong.folder() / "graded"
     for drill in drills:
-        for name in (*drill.pitfalls, *drill.mistakes):
+        for name in (*[p for p, pitfall in drill.pitfalls.items() if pitfall.applies(_env.INTERPRET)],
+                     *drill.mistakes):
             _wrong.plant(drill, name, folder / drill.stem / name)
 
     def grade():

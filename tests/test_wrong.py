@@ -20,7 +20,8 @@ from _worker import TreeModule
 from drills.f1 import append_params as f1_append_params
 from drills.l1 import _rerun_kv_write, check_kv_write, check_slot_mapping, kv_write_params, random_kv_write_case
 
-CASES = [(d, name) for d in DRILLS for name in (*d.pitfalls, *d.mistakes)]
+CASES = [(d, name) for d in DRILLS
+         for name in (*[p for p, pitfall in d.pitfalls.items() if pitfall.applies(_env.INTERPRET)], *d.mistakes)]
 
 
 @pytest.fixture(scope="module")

@@ -18,7 +18,10 @@ PITFALLS = {
         says="the quotient is not clamped to the format's largest finite value before the conversion, so large "
              "values become NaN, inf or garbage bytes",
         edits=(("    q = tl.minimum(tl.maximum(q, -FP8_MAX), FP8_MAX)  # saturate: never NaN or inf in the cache\n",
-                ""),)),
+                ""),),
+        # On a GPU Triton's fp8 conversion saturates by itself (cvt ... satfinite), so the
+        # missing clamp changes nothing there; the interpreter's integer conversion needs it.
+        interpreter_only=True),
     "source_dtype_division": Pitfall(
         says="x / scale is computed in the input's 16-bit dtype, which rounds the quotient once to 16 bits and "
              "again to fp8 (double rounding)",
