@@ -4,7 +4,7 @@ path; FlashInfer's decode with k_scale / v_scale).
 
 Read content/l5.md first. Replace each `raise NotImplementedError` with your code;
 `make grade` tells you how far you are and what is still wrong. L1's write and L4's
-split decode are your starting points; `_fp8_bits` below is given (content/l5.md §4).
+split decode are your starting points; `_fp8_bits` below is given (content/l5.md §5).
 """
 import math
 import os
@@ -15,7 +15,7 @@ import triton.language as tl
 
 # Triton's CPU interpreter converts fp32 to fp8 wrongly: it rounds ties away from zero,
 # drops a mantissa carry (31.5 becomes 16, not 32) and does not saturate (content/l5.md
-# §4). So there the write computes the fp8 byte itself with integer operations and
+# §5). So there the write computes the fp8 byte itself with integer operations and
 # stores it through a uint8 view of the cache; on a GPU the hardware conversion is
 # right. The interpreter also computes tl.dot on bfloat16 wrongly
 # (triton-lang/triton#11584), so there the decode widens q, K and V to fp32 first.
@@ -69,8 +69,8 @@ def reshape_and_cache_fp8_kernel(
     """
     # TODO(l5): L1's kernel, with each column's scale loaded (its head is col // D,
     # stride SCALE_STRIDE), the quotient rounded correctly, saturated, and stored as
-    # fp8 (natively, or as _fp8_bits under INT_ENCODE) (content/l5.md §3, §4).
-    raise NotImplementedError("reshape_and_cache_fp8_kernel is not written yet: see content/l5.md §4")
+    # fp8 (natively, or as _fp8_bits under INT_ENCODE) (content/l5.md §4, §5).
+    raise NotImplementedError("reshape_and_cache_fp8_kernel is not written yet: see content/l5.md §5")
 
 
 def reshape_and_cache_fp8(key, value, k_cache, v_cache, slot_mapping, k_scale, v_scale):
@@ -80,12 +80,12 @@ def reshape_and_cache_fp8(key, value, k_cache, v_cache, slot_mapping, k_scale, v
     L1's contract (any row stride with each token's [H, D] contiguous, slot -1 =
     padding) into caches of dtype torch.float8_e4m3fn or torch.float8_e5m2. Raise
     ValueError, naming the argument and the fix, for everything L1 refuses, a cache
-    that is not fp8, and a scale of the wrong shape, dtype or device (content/l5.md §7).
+    that is not fp8, and a scale of the wrong shape, dtype or device (content/l5.md §8).
     """
     # TODO(l5): check the inputs, pick the format's constants from FORMATS, pass
     # uint8 views of the caches when interpreting, launch one program per token
-    # (content/l5.md §4, §7).
-    raise NotImplementedError("reshape_and_cache_fp8 is not written yet: see content/l5.md §4 and §7")
+    # (content/l5.md §5, §8).
+    raise NotImplementedError("reshape_and_cache_fp8 is not written yet: see content/l5.md §5 and §8")
 
 
 @triton.jit
@@ -100,8 +100,8 @@ def merge_states_kernel(
 ):
     """L4's phase 2: one program per (row, head) merges NUM_PARTS partial outputs
     (parts [rows, H, NUM_PARTS, D], lse [rows, H, NUM_PARTS], fp32) into out."""
-    # TODO(l5): L4's merge_states_kernel, without the merged LSE (content/l4.md §3, §4).
-    raise NotImplementedError("merge_states_kernel is not written yet: see content/l5.md §5")
+    # TODO(l5): L4's merge_states_kernel, without the merged LSE (content/l4.md §3, §5).
+    raise NotImplementedError("merge_states_kernel is not written yet: see content/l5.md §6")
 
 
 @triton.jit
@@ -127,15 +127,15 @@ def split_kv_fp8_kernel(
     as L4 does (DIRECT: the output straight into out)."""
     # TODO(l5): L4's phase 1; load this KV head's k_scale and v_scale once, and
     # apply each exactly once: per element on load, or folded into the scores'
-    # scale and the output (content/l5.md §5).
-    raise NotImplementedError("split_kv_fp8_kernel is not written yet: see content/l5.md §5")
+    # scale and the output (content/l5.md §6).
+    raise NotImplementedError("split_kv_fp8_kernel is not written yet: see content/l5.md §6")
 
 
 def default_num_splits(num_seqs, num_kv_heads, device):
     """The split count paged_decode_attention_fp8 uses when num_splits is None
     (L4's rule; CPU_NUM_SPLITS on the CPU)."""
     # TODO(l5): L4's default_num_splits (content/l4.md §5).
-    raise NotImplementedError("default_num_splits is not written yet: see content/l5.md §5")
+    raise NotImplementedError("default_num_splits is not written yet: see content/l5.md §6")
 
 
 def paged_decode_attention_fp8(query, k_cache, v_cache, block_table, seq_lens, k_scale, v_scale, scale=None,
@@ -146,8 +146,8 @@ def paged_decode_attention_fp8(query, k_cache, v_cache, block_table, seq_lens, k
     query float16, bfloat16 or float32; caches float8_e4m3fn or float8_e5m2; k_scale
     and v_scale float32 [1] or [H_kv] on the cache's device. Raise ValueError, naming
     the argument and the fix, for everything L4 refuses (the cache dtype apart), a
-    cache that is not fp8 and a scale of the wrong shape, dtype or device (content/l5.md §7).
+    cache that is not fp8 and a scale of the wrong shape, dtype or device (content/l5.md §8).
     """
     # TODO(l5): check the inputs, then L4's host code with the scales passed to
-    # phase 1 (content/l5.md §5, §7).
-    raise NotImplementedError("paged_decode_attention_fp8 is not written yet: see content/l5.md §5 and §7")
+    # phase 1 (content/l5.md §6, §8).
+    raise NotImplementedError("paged_decode_attention_fp8 is not written yet: see content/l5.md §6 and §8")

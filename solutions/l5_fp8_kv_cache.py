@@ -14,7 +14,7 @@ import triton.language as tl
 
 # Triton's CPU interpreter converts fp32 to fp8 wrongly: it rounds ties away from zero,
 # drops a mantissa carry (31.5 becomes 16, not 32) and does not saturate (content/l5.md
-# §4). So there the write computes the fp8 byte itself with integer operations and
+# §5). So there the write computes the fp8 byte itself with integer operations and
 # stores it through a uint8 view of the cache; on a GPU the hardware conversion is
 # right. The interpreter also computes tl.dot on bfloat16 wrongly
 # (triton-lang/triton#11584), so there the decode widens q, K and V to fp32 first.

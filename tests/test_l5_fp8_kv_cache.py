@@ -49,13 +49,13 @@ def decode(drill, case, use_out=True, seed=0):
     return result
 
 
-# --- the write (content/l5.md §2-§4) ----------------------------------------
+# --- the write (content/l5.md §2-§6) ----------------------------------------
 
 
 @pytest.mark.pitfall("no_saturation")
 @pytest.mark.parametrize("fp8", FORMATS)
 def test_write_worked_example(drill, device, fp8):
-    """§2: 0.3, 31.5 and 500 with scale 1: 0.3125, 32 and 448 (saturated) in e4m3fn,
+    """§3: 0.3, 31.5 and 500 with scale 1: 0.3125, 32 and 448 (saturated) in e4m3fn,
     0.3125, 32 and 512 in e5m2. 31.5 is a tie whose rounding carries into the exponent."""
     case = write_case(num_tokens=1, num_heads=1, head_size=3, block_size=4, fp8=fp8, dtype=torch.float32,
                       k_scale=[1.0], v_scale=[1.0], device=device)
@@ -161,12 +161,12 @@ def _bad_writes(device):
 @pytest.mark.parametrize("what", list(_bad_writes("cpu")))
 def test_write_rejects_bad_input(drill, device, what):
     if what == "slot past the cache" and device != "cpu":
-        pytest.skip("on a GPU slots are not checked: it would cost a device sync (content/l5.md §7)")
-    with expect_value_error(what, "content/l5.md §7"):
+        pytest.skip("on a GPU slots are not checked: it would cost a device sync (content/l5.md §8)")
+    with expect_value_error(what, "content/l5.md §8"):
         drill.reshape_and_cache_fp8(*_bad_writes(device)[what])
 
 
-# --- the decode (content/l5.md §5) ------------------------------------------
+# --- the decode (content/l5.md §6) ------------------------------------------
 
 
 def _case(device, seq_lens, **kwargs):
@@ -240,7 +240,7 @@ def test_decode_default_split_count_and_no_out(drill, device):
 
 
 def test_decode_reports_the_kernel_error_and_the_format_error(drill, device):
-    """Both numbers of content/l5.md §5: the kernel's error against exact attention on the fp8
+    """Both numbers of content/l5.md §6: the kernel's error against exact attention on the fp8
     cache (graded), and fp8's own against the unquantised inputs (reported only)."""
     case = _case(device, [40, 100], dtype=torch.float32, num_splits=2, seed=10)
     out = decode(drill, case)
@@ -283,8 +283,8 @@ def _bad_decodes(device):
 @pytest.mark.parametrize("what", list(_bad_decodes("cpu")))
 def test_decode_rejects_bad_input(drill, device, what):
     if what == "seq_len 0" and device != "cpu":
-        pytest.skip("on a GPU seq_lens are not checked: it would cost a device sync (content/l5.md §7)")
-    with expect_value_error(what, "content/l5.md §7"):
+        pytest.skip("on a GPU seq_lens are not checked: it would cost a device sync (content/l5.md §8)")
+    with expect_value_error(what, "content/l5.md §8"):
         drill.paged_decode_attention_fp8(*_bad_decodes(device)[what], num_splits=2)
 
 
@@ -302,7 +302,7 @@ def test_caches_past_int32_need_int64_offsets(drill, device):
         got = k_cache.view(-1, 1, 128)[slot].cpu()
         if not torch.equal(fp8_bytes(got), fp8_bytes(want)):
             raise Mismatch(f"slot {slot} starts past 2**31 elements into the cache, and its bytes are wrong: offsets "
-                           f"computed in int32 wrap around (content/l5.md §4)")
+                           f"computed in int32 wrap around (content/l5.md §5)")
     table = torch.tensor([[num_blocks - 3, num_blocks - 1]], dtype=torch.int32, device=device)
     query = torch.randn(1, 2, 128, dtype=torch.float16, device=device)
     k_cache[num_blocks - 3, 1:] = 0.0  # the rest of the first block: zeros, a known value
@@ -318,4 +318,4 @@ def test_caches_past_int32_need_int64_offsets(drill, device):
     want = ((query[0].cpu().double() @ dense_k.T) / 128 ** 0.5).softmax(-1) @ dense_v
     if not torch.allclose(out[0].cpu().double(), want, atol=2e-3, rtol=2e-3):
         raise Mismatch("the decode reads blocks past 2**31 elements into the cache wrongly: offsets computed in int32 "
-                       "wrap around (content/l5.md §5)")
+                       "wrap around (content/l5.md §6)")

@@ -13,14 +13,14 @@ from .reference import FP8_DTYPES, FP8_MAX, fp8_bytes, quantise, ref_cache_write
 TEST_SHAPES = dict(max_seqs=3, max_new_tokens=5, max_context=150, max_kv_heads=2, gqa_ratios=(1, 3, 6),
                    head_sizes=(3, 16, 40), block_sizes=(8, 16), max_splits=6)
 
-# content/l5.md §2: three values through both formats, scale 1 (one saturates in e4m3fn).
+# content/l5.md §3: three values through both formats, scale 1 (one saturates in e4m3fn).
 WORKED_EXAMPLE = dict(values=[0.3, 31.5, 500.0], e4m3fn=[0.3125, 32.0, 448.0], e5m2=[0.3125, 32.0, 512.0])
 # The byte of each: sign, exponent, mantissa (checked by page.py against torch's own).
 NAN_BYTES = {torch.float8_e4m3fn: (0x7F, 0xFF), torch.float8_e5m2: (0x7C, 0x7F, 0xFC, 0xFE)}  # e5m2: inf and NaN
 
 
 def worked_example_numbers():
-    """§2's table from torch: each value quantised (clamped, then cast) into both formats,
+    """§3's table from torch: each value quantised (clamped, then cast) into both formats,
     and what torch's bare cast gives for 1e5 in e5m2 (inf: nothing clamps it)."""
     x = torch.tensor(WORKED_EXAMPLE["values"])
     one = torch.ones(1)

@@ -1,7 +1,7 @@
 """L5's checks and their diagnosis: the write's caches bit for bit (guards, untouched
 slots and padding included) and the decode within tolerance of the float64 reference on
 the dequantised cache, with the format's own error reported beside it. A pitfall is named
-only when its replay reproduces the learner's output (content/l5.md §8)."""
+only when its replay reproduces the learner's output (content/l5.md §10)."""
 import torch
 
 import _env
@@ -83,7 +83,7 @@ def _explain_write(name, case, cache, got, want, rows, scale):
     if _env.INTERPRET and not pitfalls and owned_bad:
         lines.append("  under the CPU interpreter Triton's own fp32 -> fp8 conversion (.to() or a store into the "
                      "fp8 cache) is wrong: compute the byte with _fp8_bits and store it through a uint8 view "
-                     "(content/l5.md §4)")
+                     "(content/l5.md §5)")
     return Mismatch("\n  ".join(lines) + f"\n  {_fmt(case)}", pitfalls)
 
 
@@ -125,7 +125,7 @@ def _explain_slot(name, case, owned_bad, owner, inside_got, inside_want, rows, s
     if not pitfalls and bool((step[wrong] == 1).all() & same_sign[wrong].all()):
         return (f"{text}\n  every wrong byte ({int(wrong.sum())}) is one fp8 step from the right one: the quotient "
                 f"was rounded differently. Use tl.math.div_rn (Triton's `/` is not correctly rounded) and "
-                f"round to nearest even (content/l5.md §4)")
+                f"round to nearest even (content/l5.md §5)")
     return text + f"\n  {int(wrong.sum())} wrong bytes in {len(owned_bad)} of {len(real)} real tokens' slots"
 
 
@@ -183,7 +183,7 @@ def check_fp8_decode(case, got, returned=None):
     this = torch.zeros_like(wrong)
     this[b, h] = True
     found, text = [], ("it matches none of the scale mistakes (applied twice, V left quantised, indexed by the "
-                       "query head); compare it with L4 on the dequantised cache (content/l5.md §5)")
+                       "query head); compare it with L4 on the dequantised cache (content/l5.md §6)")
     for knobs, tag, sentence in _DECODE_MISTAKES:
         alt = dequantised_attention(case, **knobs)
         if reproduces(out, want, alt, atol, rtol, this):

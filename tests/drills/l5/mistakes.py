@@ -1,9 +1,9 @@
-"""L5's planted mistakes: the page's pitfalls (content/l5.md §8) and the other wrong
+"""L5's planted mistakes: the page's pitfalls (content/l5.md §10) and the other wrong
 kernels, as edits of solutions/l5_fp8_kv_cache.py, and PLANTED, what the diagnosis reads."""
 import _env
 from _drill import Mistake, Pitfall, Planted
 
-SECTION = "content/l5.md §8"
+SECTION = "content/l5.md §10"
 _DIVIDE = "q = tl.math.div_rn(x.to(tl.float32), scale)"
 _PART = "part = acc / tl.where(l > 0, l, 1.0)[:, None] * v_scale"
 _K_LOAD = "k = tl.load(k_cache_ptr + kv_offs, mask=kv_mask, other=0.0).to(tl.float32).to(q.dtype)"

@@ -14,8 +14,8 @@ from .traffic import TRAFFIC_CASE, traffic
 
 
 def check_worked_example_table(text):
-    """§2's table: each value through both formats, and each byte, from torch (clamped, then cast)."""
-    part = section(text, 2)
+    """§3's table: each value through both formats, and each byte, from torch (clamped, then cast)."""
+    part = section(text, 3)
     numbers = worked_example_numbers()
     rows = re.findall(r"^\| ([\d.]+) \| ([\d.]+)(?:（饱和）)? \| 0x([0-9A-F]{2}) \| ([\d.]+) \| 0x([0-9A-F]{2}) \|$", part,
                       re.M)
@@ -37,8 +37,8 @@ def check_format_table(text):
 
 
 def check_interpreter_counts(text):
-    """§4 quotes what was measured on Triton 3.9's interpreter; the sentence names the counts."""
-    assert "e4m3 错 2434 个、e5m2 错 4661 个" in section(text, 4)
+    """§5 quotes what was measured on Triton 3.9's interpreter; the sentence names the counts."""
+    assert "e4m3 错 2434 个、e5m2 错 4661 个" in section(text, 5)
 
 
 def check_self_test_quantise(text):
@@ -62,8 +62,8 @@ def check_self_test_write_bytes(text):
 
 
 def check_bytes_saved(text):
-    """§6: fp16 and fp8 K+V of the B=8, ctx 32768 bench case."""
-    part = section(text, 6)
+    """§7: fp16 and fp8 K+V of the B=8, ctx 32768 bench case."""
+    part = section(text, 7)
     fp16, fp8 = (int(n) for n in re.findall(r"= (\d+) 字节", part)[:2])
     elements = 2 * 8 * 32768 * 8 * 128
     assert (fp16, fp8) == (2 * elements, elements)

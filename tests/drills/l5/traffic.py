@@ -58,7 +58,7 @@ def check_only_live_tokens_loaded(module, case):
                                                                              f"(past its sequence's seq_len)"
         raise Mismatch(f"{name}: {where} was loaded ({len(found)} such places): those bytes are garbage (fp8 NaN "
                        f"here; the CPU interpreter reads them as finite numbers, so only this count shows it); mask "
-                       f"the K/V loads with pos < seq_len (content/l5.md §5)")
+                       f"the K/V loads with pos < seq_len (content/l5.md §6)")
     check_fp8_decode(case, out, returned)
     return True
 
