@@ -144,7 +144,7 @@ class CascadeCase:
 
 def cascade_case(q_lens, context_lens, prefix_blocks, *, num_heads, num_kv_heads, head_size, block_size,
                  dtype=torch.float16, scale=None, more_shared=0, common_prefix_len=None, spare_blocks=2,
-                 extra_columns=2, tail="noise", layout="contiguous", out=True, device="cpu", seed=0):
+                 extra_columns=2, tail="noise", layout="contiguous", out=True, nan=True, device="cpu", seed=0):
     """A serving step whose sequences share their first `prefix_blocks` physical blocks
     (prefix caching); sequence b brings q_lens[b] new tokens after context_lens[b] cached
     ones. `more_shared` more columns are shared by every row but the last (a table that
@@ -153,6 +153,8 @@ def cascade_case(q_lens, context_lens, prefix_blocks, *, num_heads, num_kv_heads
     Owned blocks hold noise; blocks no sequence owns hold NaN, and so does every garbage
     column past a sequence's last block (and the guard after the table). `tail`: what
     the unused end of each last block holds. `out=True`: a poisoned, guarded out=.
+    `nan=False`: no NaN in any input (unowned blocks hold noise), for the one test where
+    a NaN output must have come from arithmetic.
     """
     gen = torch.Generator().manual_seed(seed)
     seq_lens = [q + c for q, c in zip(q_lens, context_lens)]
@@ -175,12 +177,15 @@ def cascade_case(q_lens, context_lens, prefix_blocks, *, num_heads, num_kv_heads
     table = table.to(torch.int32)
     shape = (num_blocks, block_size, num_kv_heads, head_size)
     k_cache, v_cache = noise(shape, torch.float32, "cpu", gen), noise(shape, torch.float32, "cpu", gen)
-    nan_outside(k_cache, table, seq_lens, block_size, tail)
-    nan_outside(v_cache, table, seq_lens, block_size, tail)
+    if nan:
+        nan_outside(k_cache, table, seq_lens, block_size, tail)
+        nan_outside(v_cache, table, seq_lens, block_size, tail)
     total, hd = sum(q_lens), num_heads * head_size
     if layout == "fused_qkv":
         qkv = noise((total, hd + 2 * num_kv_heads * head_size), dtype, device, gen)
         query = qkv[:, :hd].view(total, num_heads, head_size)
+    elif not nan:
+        query = noise((total, num_heads, head_size), dtype, device, gen)
     else:  # followed in memory by NaN: a padded lane read unmasked shows
         query = guarded_nan(noise((total, num_heads, head_size), dtype, "cpu", gen), device)
     starts = torch.tensor([0] + list(q_lens)).cumsum(0).to(torch.int32)
