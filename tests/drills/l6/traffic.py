@@ -91,7 +91,7 @@ def traffic(module):
                      f"{len(case.q_lens)}×): pass 1 takes the batch's queries together, so each prefix tile is "
                      f"loaded once for all of them")
     if result["parts"]["query"] > 1.05:
-        where.append(f"the query was read {result['parts']['query']:.2f}×: once by each chunk of pass 1 and once by pass 2 (the price of two "
-                     f"passes; vLLM's two kernel calls read it twice too)")
+        where.append(f"the query was read {result['parts']['query']:.2f}×: once by each chunk of pass 1 and once "
+                     f"by pass 2 (the price of two passes; vLLM's two kernel calls read it twice too)")
     result["where"] = where + result["where"]
     return result
