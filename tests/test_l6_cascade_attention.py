@@ -196,7 +196,7 @@ def test_empty_batch(drill, device):
     assert out.shape == (0, 8, 16)
 
 
-@settings(phases=(Phase.explicit, Phase.reuse, Phase.generate), max_examples=12)
+@settings(phases=(Phase.explicit, Phase.reuse, Phase.generate), max_examples=8)
 @given(params=cascade_params())
 def test_matches_reference(drill, device, params):
     run(drill, cascade_case(**params, device=device))
