@@ -1,0 +1,85 @@
+"""Drill L6's float64 reference: L3's answer, computed as cascade attention splits it
+(the prefix's part and the suffix's part), so that the mistakes of the split and the
+merge can be computed too; the rule of cascade_prefix_len; the tolerances."""
+import math
+
+import torch
+
+# (atol, rtol) against the float64 reference, as L3's: the parts are fp32 and the
+# output is rounded once.
+TOLERANCE = {torch.float16: (2e-3, 2e-3), torch.bfloat16: (1.5e-2, 1.5e-2), torch.float32: (1e-4, 1e-4)}
+
+
+def prefix_len_rule(block_table, query_start_loc, seq_lens, block_size, cap=True):
+    """design.md's rule in plain Python: leading columns equal in every row, times
+    block_size, capped (unless cap=False: the pitfall) by min(seq_len - q_len), rounded
+    down to a multiple of block_size; 0 for fewer than two sequences."""
+    table = block_table.cpu().tolist()
+    lens = seq_lens.cpu().tolist()
+    starts = query_start_loc.cpu().tolist()
+    if len(lens) < 2:
+        return 0
+    shared = 0
+    while shared < len(table[0]) and all(row[shared] == table[0][shared] for row in table):
+        shared += 1
+    prefix = shared * block_size
+    if cap:
+        prefix = min(prefix, min(n - (starts[b + 1] - starts[b]) for b, n in enumerate(lens)))
+    return prefix // block_size * block_size
+
+
+def ref_cascade(query, k_cache, v_cache, block_table, query_start_loc, seq_lens, common_prefix_len, scale=None,
+                mistake=None):
+    """float64 on the CPU, [total_q, H_q, D]: token t of sequence b, at position pos,
+    attends to its keys 0..pos. The keyword `mistake` computes a wrong kernel's answer:
+    "prefix_causal" (pass 1 under FlashAttention's bottom-right causal mask over the
+    batch as one sequence: token t sees prefix keys 0..P - total_q + t), "prefix_causal_tl"
+    (top-left: 0..t), "prefix_twice" (pass 2 starts at key 0: the prefix counted twice),
+    "swapped" (the merge weighs the prefix's v by the suffix's LSE and the other way);
+    "no_prefix" / "no_suffix", one part alone."""
+    total_q, num_heads, head_size = query.shape
+    block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
+    scale = 1.0 / math.sqrt(head_size) if scale is None else scale
+    kv_head = torch.arange(num_heads) // (num_heads // num_kv_heads)
+    starts = query_start_loc.long().cpu().tolist()
+    lens = seq_lens.long().cpu().tolist()
+    table = block_table.long().cpu()
+    q = query.double().cpu()
+    prefix = common_prefix_len
+    out = torch.zeros(total_q, num_heads, head_size, dtype=torch.float64)
+    for b, n in enumerate(lens):
+        blocks = table[b, :math.ceil(n / block_size)]
+        k = k_cache[blocks.to(k_cache.device)].double().cpu().reshape(-1, num_kv_heads, head_size)[:n][:, kv_head]
+        v = v_cache[blocks.to(v_cache.device)].double().cpu().reshape(-1, num_kv_heads, head_size)[:n][:, kv_head]
+        q_len = starts[b + 1] - starts[b]
+        for t in range(starts[b], starts[b + 1]):
+            pos = n - q_len + (t - starts[b])
+            s = torch.einsum("hd,khd->hk", q[t], k[:pos + 1]) * scale  # [H_q, keys]
+            keys = torch.arange(pos + 1)
+            in_prefix = keys < prefix
+            if mistake == "prefix_twice":
+                s = s + torch.where(in_prefix, math.log(2.0), 0.0)
+            elif mistake in ("prefix_causal", "prefix_causal_tl"):
+                last = prefix - total_q + t if mistake == "prefix_causal" else t
+                s = s.masked_fill(in_prefix & (keys > last), float("-inf"))
+            elif mistake in ("no_prefix", "no_suffix"):  # one part alone (described, not named)
+                s = s.masked_fill(in_prefix if mistake == "no_prefix" else ~in_prefix, float("-inf"))
+            if mistake == "swapped":
+                out[t] = _swapped(s, v[:pos + 1], in_prefix)
+            elif bool(torch.isfinite(s).any()):
+                out[t] = torch.einsum("hk,khd->hd", s.softmax(-1), v[:pos + 1])
+    return out
+
+
+def _swapped(s, v, in_prefix):
+    """The merge with its sides swapped: the prefix's v weighted by exp(suffix LSE)."""
+    def part(mask):
+        sm = s[:, mask]
+        if sm.shape[1] == 0:
+            return torch.zeros(s.shape[0], v.shape[-1], dtype=s.dtype), torch.full((s.shape[0],), float("-inf"),
+                                                                                    dtype=s.dtype)
+        return torch.einsum("hk,khd->hd", sm.softmax(-1), v[mask]), torch.logsumexp(sm, -1)
+    (v_p, s_p), (v_s, s_s) = part(in_prefix), part(~in_prefix)
+    top = torch.maximum(s_p, s_s)
+    w_p, w_s = torch.exp(s_s - top), torch.exp(s_p - top)  # swapped
+    return (w_p[:, None] * v_p + w_s[:, None] * v_s) / (w_p + w_s)[:, None]
