@@ -6,22 +6,25 @@ Three parts, in the order the page explains them: the block manager (which
 physical block holds which tokens), the scheduler (which tokens run this step),
 and the model runner (one flattened forward over every token of the step).
 """
-import heapq
 import importlib.util
+import os
 import sys
-from collections import deque
-from dataclasses import dataclass, field
-from pathlib import Path
-from types import SimpleNamespace
 
 import torch
+
+
+class _Namespace:
+    """Attributes from keywords (the step's tensors, the default kernels)."""
+
+    def __init__(self, **values):
+        self.__dict__.update(values)
 
 
 def _sibling(stem):
     """<stem>.py of this file's own folder, loaded by path (the trees never import each
     other by name), registered in sys.modules because Triton looks a kernel's globals up
     through its module."""
-    path = Path(__file__).with_name(f"{stem}.py")
+    path = os.path.join(os.path.dirname(os.path.abspath(__file__)), f"{stem}.py")
     name = f"{__name__}_{stem}"
     if name not in sys.modules:
         spec = importlib.util.spec_from_file_location(name, path)
@@ -31,9 +34,9 @@ def _sibling(stem):
     return sys.modules[name]
 
 
-def tree_kernels():
+def _tree_kernels():
     """The default `kernels=`: L1 and L3 of the same tree."""
-    return SimpleNamespace(reshape_and_cache=_sibling("l1_paged_kv_write").reshape_and_cache,
+    return _Namespace(reshape_and_cache=_sibling("l1_paged_kv_write").reshape_and_cache,
                            paged_prefill_attention=_sibling("l3_paged_prefill").paged_prefill_attention)
 
 
@@ -50,7 +53,7 @@ class BlockManager:
             raise ValueError(f"num_blocks and block_size must be >= 1; got {num_blocks}, {block_size}")
         self.block_size = block_size
         self.num_blocks = num_blocks
-        self._free = list(range(num_blocks))  # a heap: the lowest free block is taken first
+        self._free = list(range(num_blocks))  # kept sorted: the lowest free block is taken first
         self._blocks = {}                      # seq_id -> its blocks, in token order
         self._tokens = {}                      # seq_id -> tokens it holds
 
@@ -81,13 +84,13 @@ class BlockManager:
         if need > len(self._free):
             raise ValueError(f"sequence {seq_id!r} needs {need} more blocks, {len(self._free)} are free: "
                              f"free or preempt a sequence first")
-        self._blocks[seq_id] += [heapq.heappop(self._free) for _ in range(need)]
+        self._blocks[seq_id] += self._free[:need]
+        del self._free[:need]
         self._tokens[seq_id] += num_tokens
 
     def free(self, seq_id):
         """Return seq_id's blocks (on finish or preemption)."""
-        for block in self._blocks.pop(seq_id):
-            heapq.heappush(self._free, block)
+        self._free = sorted(self._free + self._blocks.pop(seq_id))
         del self._tokens[seq_id]
 
     def block_table(self, seq_ids):
@@ -109,29 +112,29 @@ class BlockManager:
 # The scheduler
 
 
-@dataclass
 class Request:
-    id: int
-    tokens: list            # the prompt, then every token generated so far
-    prompt_len: int
-    max_new: int
-    computed: int = 0       # tokens whose K/V are in the cache
+    def __init__(self, id, prompt, max_new):
+        self.id = id
+        self.tokens = list(prompt)    # the prompt, then every token generated so far
+        self.prompt_len = len(prompt)
+        self.max_new = max_new
+        self.computed = 0             # tokens whose K/V are in the cache
 
     @property
     def new(self):
         return self.tokens[self.prompt_len:]
 
 
-@dataclass
 class Scheduler:
     """vLLM V1's rule, made small: the running requests first, in the order they were
     admitted, each given the tokens it has not computed yet (a decode: 1) within the
     budget; then waiting requests, first come first served, in chunks. Only the newest
     running request can be part-way through its prompt, so decodes always fit."""
-    blocks: BlockManager
-    budget: int
-    waiting: deque = field(default_factory=deque)
-    running: list = field(default_factory=list)
+
+    def __init__(self, blocks, budget, requests):
+        self.blocks, self.budget = blocks, budget
+        self.waiting = list(requests)  # first come, first served
+        self.running = []              # in the order they were admitted
 
     def schedule(self):
         """[(request, number of tokens)] for this step."""
@@ -144,7 +147,7 @@ class Scheduler:
                 victim = self.running.pop()  # the newest: recomputed later, as in vLLM V1
                 self.blocks.free(victim.id)
                 victim.computed = 0
-                self.waiting.appendleft(victim)
+                self.waiting.insert(0, victim)
                 preempted = True
                 if victim is req:
                     break
@@ -158,7 +161,7 @@ class Scheduler:
             if self.blocks.blocks_needed(req.id, n) > self.blocks.num_free_blocks:
                 break
             self.blocks.allocate(req.id, n)
-            self.running.append(self.waiting.popleft())
+            self.running.append(self.waiting.pop(0))
             batch.append((req, n))
             left -= n
         return batch
@@ -172,8 +175,9 @@ class Scheduler:
 # The model runner
 
 
-def _prepare(blocks, batch):
-    """The step's flat tensors: token ids, positions, slots, and L3's metadata."""
+def _prepare(blocks, batch, device):
+    """The step's flat tensors: token ids, positions, slots, and L3's metadata, built on
+    the host and moved to the model's device in one go."""
     ids, positions, slots, q_lens, seq_lens = [], [], [], [], []
     for req, n in batch:
         pos = range(req.computed, req.computed + n)
@@ -183,11 +187,11 @@ def _prepare(blocks, batch):
         q_lens.append(n)
         seq_lens.append(req.computed + n)  # the whole context, this step's tokens included
     starts = torch.tensor([0] + q_lens).cumsum(0)
-    return SimpleNamespace(
-        ids=torch.tensor(ids), positions=torch.tensor(positions), slot_mapping=torch.cat(slots),
-        query_start_loc=starts.to(torch.int32), seq_lens=torch.tensor(seq_lens, dtype=torch.int32),
-        block_table=blocks.block_table([req.id for req, _ in batch]),
-        last=starts[1:] - 1)  # each sequence's last row: the only one sampled from
+    step = dict(ids=torch.tensor(ids), positions=torch.tensor(positions), slot_mapping=torch.cat(slots),
+                query_start_loc=starts.to(torch.int32), seq_lens=torch.tensor(seq_lens, dtype=torch.int32),
+                block_table=blocks.block_table([req.id for req, _ in batch]),
+                last=starts[1:] - 1)  # each sequence's last row: the only one sampled from
+    return _Namespace(**{name: t.to(device, non_blocking=True) for name, t in step.items()})
 
 
 def _rotate(x, cos, sin):
@@ -230,7 +234,7 @@ def generate(model, prompts, max_new_tokens, *, block_size=16, num_blocks=None, 
              kernels=None):
     """Greedy decoding of every prompt through the paged engine; per prompt, the new
     tokens only (what model.generate(..., do_sample=False) gives, EOS included)."""
-    kernels = kernels or tree_kernels()
+    kernels = kernels or _tree_kernels()
     counts = [max_new_tokens] * len(prompts) if isinstance(max_new_tokens, int) else list(max_new_tokens)
     if len(counts) != len(prompts) or any(n < 1 for n in counts) or any(len(p) < 1 for p in prompts):
         raise ValueError("prompts must be non-empty lists of token ids and max_new_tokens an int >= 1 or one "
@@ -246,20 +250,18 @@ def generate(model, prompts, max_new_tokens, *, block_size=16, num_blocks=None, 
                              f"+ {counts[i]} new), but the cache has num_blocks = {num_blocks}: it could never run")
     config = model.config
     head_dim = model.model.layers[0].self_attn.head_dim
-    dtype = model.lm_head.weight.dtype
-    caches = [(torch.zeros(num_blocks, block_size, config.num_key_value_heads, head_dim, dtype=dtype),
-               torch.zeros(num_blocks, block_size, config.num_key_value_heads, head_dim, dtype=dtype))
-              for _ in model.model.layers]
+    like = dict(dtype=model.lm_head.weight.dtype, device=model.lm_head.weight.device)
+    shape = (num_blocks, block_size, config.num_key_value_heads, head_dim)
+    caches = [(torch.zeros(shape, **like), torch.zeros(shape, **like)) for _ in model.model.layers]
     blocks, eos = BlockManager(num_blocks, block_size), _eos_ids(model)
-    sched = Scheduler(blocks, max_num_batched_tokens)
-    requests = [Request(i, list(p), len(p), n) for i, (p, n) in enumerate(zip(prompts, counts))]
-    sched.waiting.extend(requests)
+    requests = [Request(i, p, n) for i, (p, n) in enumerate(zip(prompts, counts))]
+    sched = Scheduler(blocks, max_num_batched_tokens, requests)
     while sched.waiting or sched.running:
         batch = sched.schedule()
         if not batch:
             raise RuntimeError(f"the scheduler made no progress: {blocks.num_free_blocks} of {num_blocks} blocks "
                                f"free, {len(sched.waiting)} waiting, {len(sched.running)} running")
-        step = _prepare(blocks, batch)
+        step = _prepare(blocks, batch, like["device"])
         next_ids = _forward(model, caches, step, kernels).argmax(dim=-1).tolist()
         for (req, n), token in zip(batch, next_ids):
             req.computed += n
@@ -269,3 +271,18 @@ def generate(model, prompts, max_new_tokens, *, block_size=16, num_blocks=None, 
             if token in eos or len(req.new) == req.max_new:
                 sched.finish(req)
     return [req.new for req in requests]
+
+
+def replay_block_manager(num_blocks, block_size, ops):
+    """Given (not part of the exercise): run `ops` on a BlockManager and return what each
+    gives, as data, for the tests (your code runs in a worker that sends back data only).
+    An op is ("allocate", seq_id, n), ("append", seq_id, n), ("free", seq_id),
+    ("block_table", [seq_ids]), ("slot_mapping", seq_id, positions) or ("num_free_blocks",);
+    a refused op gives ("ValueError", its message)."""
+    manager, out = BlockManager(num_blocks, block_size), []
+    for op, *args in ops:
+        try:
+            out.append(manager.num_free_blocks if op == "num_free_blocks" else getattr(manager, op)(*args))
+        except ValueError as error:
+            out.append(("ValueError", str(error)))
+    return out
