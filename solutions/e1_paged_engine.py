@@ -239,6 +239,8 @@ def generate(model, prompts, max_new_tokens, *, block_size=16, num_blocks=None, 
     if len(counts) != len(prompts) or any(n < 1 for n in counts) or any(len(p) < 1 for p in prompts):
         raise ValueError("prompts must be non-empty lists of token ids and max_new_tokens an int >= 1 or one "
                          "per prompt")
+    if not prompts:
+        return []
     if max_num_batched_tokens < 1:
         raise ValueError(f"max_num_batched_tokens must be >= 1, got {max_num_batched_tokens}")
     # The most tokens a request ever holds in the cache: its last new token is never fed back.
