@@ -10,7 +10,7 @@ def _table_rows(text):
     """The worked example's table: one row per step, its cells as text."""
     part = text.split("<!-- worked-example -->")[1].split("<!-- /worked-example -->")[0]
     rows = [line.strip().strip("|").split("|") for line in part.splitlines() if line.startswith("| ")]
-    return [[c.strip().strip("`") for c in row] for row in rows[1:]]  # skip the header
+    return [[c.strip().strip("`") for c in row] for row in rows[1:] if not set(row[0]) <= set("- ")]  # no header
 
 
 def check_worked_example_table(text):
@@ -35,4 +35,11 @@ def check_self_test_blocks(text):
     assert -(-(1000 + 200 - 1) // 16) == 75
 
 
-PAGE_CHECKS = (check_worked_example_table, check_self_test_blocks)
+def check_self_test_budget(text):
+    """§10 question 2: the worked example under a budget of 16 takes 4 steps."""
+    ex = WORKED_EXAMPLE
+    assert len(simulate(ex["prompt_lens"], ex["max_new"], ex["block_size"], None, 16)) == 4
+    assert "一共 4 步" in text.split("## 10")[1]
+
+
+PAGE_CHECKS = (check_worked_example_table, check_self_test_blocks, check_self_test_budget)
