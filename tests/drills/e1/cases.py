@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 import torch
 from hypothesis import strategies as st
 
-from _tree import ROOT, load_drill
+from _tree import ROOT, load_drill, tree_path
 
 from .reference import reference_tokens, simulate
 
@@ -58,7 +58,7 @@ def random_prompts(lengths, vocab=64, seed=0, avoid=()):
 def kernels_tree(tree):
     """Which tree's L1 and L3 the engine runs on: the graded tree's own, unless
     DRILLS_KERNELS (make grade DRILL=e1 KERNELS=solutions) names another."""
-    return os.environ.get("DRILLS_KERNELS") or str(tree)
+    return str(tree_path(os.environ["DRILLS_KERNELS"])) if os.environ.get("DRILLS_KERNELS") else str(tree)
 
 
 # ---------------------------------------------------------------------------
