@@ -58,7 +58,8 @@ def test_every_stub_raises_not_implemented(stem):
     mine = load_drill("mine", stem)
     for name in _public_names("mine", stem):
         fn = _python_function(getattr(mine, name))
-        args = [None] * len(inspect.signature(fn).parameters)
+        # Keyword-only parameters (E1's generate) have defaults and are not passed positionally.
+        args = [None] * sum(p.kind != p.KEYWORD_ONLY for p in inspect.signature(fn).parameters.values())
         with pytest.raises(NotImplementedError, match=r"content/\w+\.md §\d+"):
             fn(*args)
     source = path.read_text()
@@ -67,7 +68,8 @@ def test_every_stub_raises_not_implemented(stem):
 
 @pytest.mark.parametrize("tree", ["mine", "solutions"])
 def test_trees_import_nothing_from_tests_or_each_other(tree):
-    allowed = {"torch", "triton", "math", "os", "typing", "functools"}
+    # importlib and sys: E1's engine loads L1 and L3 from its own folder by path (never by name).
+    allowed = {"torch", "triton", "math", "os", "typing", "functools", "importlib", "sys"}
     for path in (ROOT / tree).glob("*.py"):
         for node in ast.walk(ast.parse(path.read_text())):
             if isinstance(node, ast.Import):

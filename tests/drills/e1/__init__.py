@@ -1,0 +1,39 @@
+"""E1, the capstone: a paged engine over a real `transformers` model (content/e1.md):
+its manifest entry `DRILL`, built from its parts:
+
+  cases.py      the tiny models, the worked example, EngineCase, the instrumented kernels
+                (Recorder, AttentionSpy), the block-manager strategy, the fixture checks
+  reference.py  transformers' generate and logits, the page's scheduling rule (simulate)
+  checks.py     the checks of generate and of the block manager, and their diagnosis
+  mistakes.py   the pitfalls and mistakes, planted as edits (`PLANTED`)
+  bench.py      the 1 B-parameter serving workload against transformers' generate
+  page.py       the page checks
+
+There is no traffic part: the engine's bytes are its kernels', which L1 and L3 count.
+"""
+from _drill import Drill
+
+from .bench import BENCH, bench_work
+from .cases import (FIXTURE_CHECKS, TEST_SHAPES, WORKED_EXAMPLE, EngineCase, Recorder, block_ops, engine_case,
+                    example_case, kernels_tree, random_prompts, spy_on, tiny_model)
+from .checks import check_generate, explain, run_generate, steps_of
+from .mistakes import PLANTED, SECTION
+from .page import PAGE_CHECKS
+from .reference import simulate, step_tensors
+
+__all__ = ["DRILL", "SECTION", "WORKED_EXAMPLE", "EngineCase", "Recorder", "block_ops", "check_generate",
+           "engine_case", "example_case", "explain", "kernels_tree", "random_prompts", "run_generate", "simulate",
+           "spy_on", "step_tensors", "steps_of", "tiny_model"]
+
+DRILL = Drill(
+    **PLANTED.fields(),
+    title="A paged engine on your kernels",
+    mirrors="vLLM V1 engine core / nano-vllm (scheduler, block manager, model runner)",
+    api=("generate", "replay_block_manager"),
+    torch_only=("replay_block_manager",),
+    test_shapes=TEST_SHAPES,
+    bench=BENCH,
+    bench_work=bench_work,
+    page_checks=PAGE_CHECKS,
+    fixture_checks=FIXTURE_CHECKS,
+)

@@ -1,0 +1,45 @@
+"""Drill E1's page checks: the worked example's table (content/e1.md §3) is what the
+page's scheduling rule gives (reference.simulate), and the self-test answers."""
+import re
+
+from .cases import WORKED_EXAMPLE
+from .reference import simulate, step_tensors
+
+
+def _table_rows(text):
+    """The worked example's table: one row per step, its cells as text."""
+    part = text.split("<!-- worked-example -->")[1].split("<!-- /worked-example -->")[0]
+    rows = [line.strip().strip("|").split("|") for line in part.splitlines() if line.startswith("| ")]
+    return [[c.strip().strip("`") for c in row] for row in rows[1:] if not set(row[0]) <= set("- ")]  # no header
+
+
+def check_worked_example_table(text):
+    ex = WORKED_EXAMPLE
+    steps = simulate(ex["prompt_lens"], ex["max_new"], ex["block_size"], None, ex["budget"])
+    rows = _table_rows(text)
+    assert len(rows) == len(steps), f"§3's table has {len(rows)} steps; the schedule has {len(steps)}"
+    names = "ABC"
+    for s, (row, step) in enumerate(zip(rows, steps)):
+        starts, lens, slots = step_tensors(step, ex["block_size"])
+        batch = " ".join(f"{names[r]}{n}" for r, _, n in step["rows"])
+        want = [str(s), batch, str(starts), str(lens), str(step["block_table"]), str(slots)]
+        got = [re.sub(r"\s+", " ", c) for c in row[:6]]
+        assert [g.replace(" ", "") for g in got] == [w.replace(" ", "") for w in want], \
+            f"§3, step {s}: the page says {got}, the schedule gives {want}"
+
+
+def check_self_test_blocks(text):
+    """§10 question 1: a 1000-token prompt with 200 new tokens in blocks of 16 needs
+    ceil(1199 / 16) = 75 blocks at most (the last new token never enters the cache)."""
+    assert "**75**" in text.split("## 10")[1], "§10's first answer is 75 blocks"
+    assert -(-(1000 + 200 - 1) // 16) == 75
+
+
+def check_self_test_budget(text):
+    """§10 question 2: the worked example under a budget of 16 takes 4 steps."""
+    ex = WORKED_EXAMPLE
+    assert len(simulate(ex["prompt_lens"], ex["max_new"], ex["block_size"], None, 16)) == 4
+    assert "一共 4 步" in text.split("## 10")[1]
+
+
+PAGE_CHECKS = (check_worked_example_table, check_self_test_blocks, check_self_test_budget)
