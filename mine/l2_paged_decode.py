@@ -62,6 +62,6 @@ def paged_decode_attention(query, k_cache, v_cache, block_table, seq_lens, scale
     multiple of H_kv, a non-contiguous cache and (on the CPU) seq_lens outside
     1..max_blocks * block_size or blocks outside the cache.
     """
-    # TODO(l2): check the inputs (content/l2.md §6), allocate the output with
-    # torch.empty unless `out` was given, then launch one program per (sequence, KV head) (§5, §6).
-    raise NotImplementedError("paged_decode_attention is not written yet: see content/l2.md §5 and §6")
+    # TODO(l2): check the inputs (content/l2.md §7), allocate the output with
+    # torch.empty unless `out` was given, then launch one program per (sequence, KV head) (§5, §7).
+    raise NotImplementedError("paged_decode_attention is not written yet: see content/l2.md §5 and §7")

@@ -165,10 +165,6 @@ def test_paths_a_page_names_exist(name):
 # sources. Each part is found by the keywords of its `## N. title`.
 ORDER = (("interface", ("host 端",)), ("hints", ("提示",)), ("pitfalls", ("常见坑",)), ("self-tests", ("自测",)),
          ("walkthrough", ("逐行",)), ("source map", ("对照",)))
-L2_OUT_OF_ORDER = ("content/l2.md has pitfalls (§7) before hints (§8) and a concept section (§9) after them; "
-                   "renumbering needs the pointers outside the page moved with it: 'content/l2.md §7' in "
-                   "tests/drills/l2/{mistakes,checks,traffic}.py, tests/drills/l4/traffic.py, "
-                   "tests/test_l2_paged_decode.py, and 'content/l2.md §9' in BENCHMARKS.md")
 
 
 def numbered_sections(text):
@@ -184,8 +180,7 @@ def part_of(title):
     return names[0] if names else None
 
 
-@pytest.mark.parametrize("drill_id", [pytest.param(d, marks=pytest.mark.xfail(strict=True, reason=L2_OUT_OF_ORDER))
-                                      if d == "l2" else d for d in PAGES])
+@pytest.mark.parametrize("drill_id", PAGES)
 def test_page_follows_the_common_order(drill_id):
     """Problem, concepts, worked example, interface, hints, pitfalls, self-tests, then the
     folded walkthrough and source map: what content/README.md promises of every page."""

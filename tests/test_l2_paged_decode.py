@@ -55,7 +55,7 @@ def test_matches_reference_for_each_dtype(drill, device, dtype):
     run(drill, _case(device, [1, 16, 17, 90], dtype=dtype, seed=1))
 
 
-# --- each pitfall on the page (§7) ------------------------------------------
+# --- each pitfall on the page (§9) ------------------------------------------
 
 
 @pytest.mark.pitfall("no_last_block_mask")
@@ -181,7 +181,7 @@ def test_matches_reference(drill, device, params):
     run(drill, paged_decode_case(**params, device=device))
 
 
-# --- bad input is refused (§6) ----------------------------------------------
+# --- bad input is refused (§7) ----------------------------------------------
 
 
 def _bad_inputs(device):
@@ -214,8 +214,8 @@ def test_rejects_bad_input(drill, device, what):
     args = _bad_inputs(device)[what]
     if what.startswith(("seq_len ", "block number")) and device != "cpu":
         pytest.skip("on a GPU seq_lens and block numbers are not checked: it would cost a device sync "
-                    "(content/l2.md §6)")
-    with expect_value_error(what, "content/l2.md §6"):
+                    "(content/l2.md §7)")
+    with expect_value_error(what, "content/l2.md §7"):
         drill.paged_decode_attention(*args)
 
 
@@ -225,7 +225,7 @@ def test_rejects_an_out_that_does_not_fit(drill, device, what):
     shape, dtype = case.query.shape, case.query.dtype
     out = torch.empty((shape[0], shape[1] - 1, shape[2]) if what == "shape" else shape,
                       dtype=torch.float32 if what == "dtype" else dtype, device=device)
-    with expect_value_error(f"an out of another {what} than the query", "content/l2.md §6"):
+    with expect_value_error(f"an out of another {what} than the query", "content/l2.md §7"):
         drill.paged_decode_attention(*case.args(), out=out)
 
 
@@ -233,7 +233,7 @@ def test_rejects_an_out_that_does_not_fit(drill, device, what):
 def test_rejects_tensors_on_two_devices(drill):
     case = _case("cuda", [5, 20])
     query, k_cache, v_cache, table, lens = case.args()
-    with expect_value_error("seq_lens on the CPU with the rest on the GPU", "content/l2.md §6"):
+    with expect_value_error("seq_lens on the CPU with the rest on the GPU", "content/l2.md §7"):
         drill.paged_decode_attention(query, k_cache, v_cache, table, lens.cpu())
 
 
@@ -263,6 +263,6 @@ def test_large_cache_needs_int64_offsets(drill, device):
     except Mismatch as error:
         wrapped = Mismatch(f"right in a small cache, wrong when blocks {num_blocks - 1} and {num_blocks - 3} start "
                            f"past 2**31 elements into the cache: offsets computed in int32 wrap around "
-                           f"(content/l2.md §7)\n{error}")
+                           f"(content/l2.md §9)\n{error}")
         wrapped.pitfalls = ["int32_offsets"]
         raise wrapped from None

@@ -5,7 +5,7 @@ the parts of this folder:
                 the hypothesis strategy, the fixture checks
 - reference.py  the fp32 reference, the online softmax of §3, the tolerances
 - checks.py     the checks and their diagnosis
-- mistakes.py   the pitfalls of §7 and the other planted mistakes (PLANTED)
+- mistakes.py   the pitfalls of §9 and the other planted mistakes (PLANTED)
 - bench.py      the bench cases, bytes and FLOPs, bench_work
 - traffic.py    the traffic case and report, the block-table read check
 - picture.py    picture and draw_case

@@ -1,5 +1,5 @@
 """L2's checks and their diagnosis: paged_decode_attention's output against the
-reference, and the sentence that says which mistake (content/l2.md §7) reproduces it."""
+reference, and the sentence that says which mistake (content/l2.md §9) reproduces it."""
 import math
 import os
 
@@ -19,7 +19,7 @@ def check_paged_decode(case, out, returned=None):
     (sequence, query head). `out` is the Guarded buffer passed as out= (or, for a call
     without out=, the tensor returned). The output contract is checked first, then
     non-finite outputs are reported as such, then wrong values are explained by the
-    mistake that reproduces them (content/l2.md §7), naming one only on evidence."""
+    mistake that reproduces them (content/l2.md §9), naming one only on evidence."""
     query = case.query
     out = output_of(out, returned, query, "paged_decode_attention", "content/l2.md §1")
     got, want = out.float().cpu(), case.reference()
@@ -73,9 +73,9 @@ def _explain_non_finite(case, got, want, b, h, atol, rtol):
     causes = [name for name in _NAN_CAUSES if _variant_reproduces(case, name, got, bad, atol, rtol)]
     if len(causes) == 1:
         name = causes[0]
-        return f"{head}; {_NAN_CAUSES[name]} (pitfall:{name}, content/l2.md §7)", name
+        return f"{head}; {_NAN_CAUSES[name]} (pitfall:{name}, content/l2.md §9)", name
     return (f"{head}, in some outputs only; none of the page's NaN mistakes reproduces exactly these: a read outside "
-            f"the inputs, an unmasked load, or an overflowing exp (content/l2.md §5, §7)"), None
+            f"the inputs, an unmasked load, or an overflowing exp (content/l2.md §5, §9)"), None
 
 
 # The NaN sources a case plants, and what each means when its planted variant reproduces the output.
@@ -177,8 +177,8 @@ def _explain_wrong(case, got, want, wrong, b, h, atol, rtol):
         partial, text, tag = min(matches, key=lambda match: match[0])  # stable: the list order breaks ties
         if partial:
             return (f"{_where(case, b, h)} is off: {text}; but other outputs do not fit that story, so it may be "
-                    f"something else (content/l2.md §7)"), None
-        named = f" (pitfall:{tag}, content/l2.md §7)" if tag else " (content/l2.md §5)"
+                    f"something else (content/l2.md §9)"), None
+        named = f" (pitfall:{tag}, content/l2.md §9)" if tag else " (content/l2.md §5)"
         return f"{_where(case, b, h)} is off: {text}; so do all the other wrong outputs{named}", tag
     scope = "every output is wrong" if bool(wrong.all()) else "some outputs are right"
     return (f"{_where(case, b, h)} is off ({scope}); it matches none of the usual mistakes (last block unmasked or "

@@ -1,4 +1,4 @@
-"""L2's planted mistakes: the pitfalls of content/l2.md §7 and the other wrong kernels,
+"""L2's planted mistakes: the pitfalls of content/l2.md §9 and the other wrong kernels,
 as edits of the reference, and `PLANTED`, what the checks need of them."""
 from _drill import Mistake, Pitfall, Planted
 
@@ -75,4 +75,4 @@ MISTAKES = {
 }
 
 
-PLANTED = Planted(id="l2", stem="l2_paged_decode", section="content/l2.md §7", pitfalls=PITFALLS, mistakes=MISTAKES)
+PLANTED = Planted(id="l2", stem="l2_paged_decode", section="content/l2.md §9", pitfalls=PITFALLS, mistakes=MISTAKES)

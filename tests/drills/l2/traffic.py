@@ -49,7 +49,7 @@ def check_table_read_only_to_last_block(module, case):
         raise Mismatch(f"block_table[{b}, {c}] was loaded, but sequence {b} has seq_len {int(case.seq_lens[b])}: its "
                        f"last block is column {-(-int(case.seq_lens[b]) // case.block_size) - 1}, and the entries "
                        f"past it are garbage ({len(garbage)} such entries loaded); mask the block-table load with "
-                       f"pos < seq_len (content/l2.md §7)", ["reads_past_seq_len"])
+                       f"pos < seq_len (content/l2.md §9)", ["reads_past_seq_len"])
     check_paged_decode(case, out, returned)
     return True
 

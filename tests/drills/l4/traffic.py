@@ -48,7 +48,7 @@ def check_table_read_only_to_last_block(module, case):
         b, c = garbage[0]
         raise Mismatch(f"block_table[{b}, {c}] was loaded, but sequence {b} has seq_len {int(case.seq_lens[b])}: "
                        f"the entries past its last block are garbage ({len(garbage)} such entries loaded); mask the "
-                       f"block-table load with pos < seq_len (content/l2.md §7)")
+                       f"block-table load with pos < seq_len (content/l2.md §9)")
     check_split_decode(case, out, returned, case.num_splits)
     return True
 

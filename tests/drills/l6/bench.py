@@ -1,6 +1,6 @@
 """Drill L6's bench: the bytes and FLOPs of a cascade decode step, bench_work (ours against
 L4's reference on the full block tables and SDPA on contiguous K/V), the bench cases
-BENCH, and the crossover grid (batch x prefix) content/l6.md §7 reads from BENCHMARKS.md:
+BENCH, and the crossover grid (batch x prefix) content/l6.md §5 reads from BENCHMARKS.md:
 
     cd tests && python -m drills.l6.bench          # on a GPU: the crossover table, markdown
 """
@@ -114,7 +114,7 @@ def _bench_case(num_seqs, prefix, suffix, graph=False):
 BENCH = (_bench_case(64, 4096, 256, graph=True), _bench_case(128, 4096, 256, graph=True),
          _bench_case(64, 8192, 256, graph=True), _bench_case(128, 8192, (64, 512), graph=True))
 
-# The crossover grid of content/l6.md §7 (measured on a GPU, recorded in BENCHMARKS.md).
+# The crossover grid of content/l6.md §5 (measured on a GPU, recorded in BENCHMARKS.md).
 CROSSOVER_BATCHES = (1, 2, 4, 8, 16, 32, 64, 128)
 CROSSOVER_PREFIXES = (256, 512, 1024, 2048, 4096, 8192)
 CROSSOVER_SUFFIX = 256
@@ -143,7 +143,7 @@ def crossover(module, device="cuda", batches=CROSSOVER_BATCHES, prefixes=CROSSOV
 
 
 def crossover_markdown(found):
-    """The table BENCHMARKS.md records and content/l6.md §7 shows: L4 µs / cascade µs
+    """The table BENCHMARKS.md records and content/l6.md §5 shows: L4 µs / cascade µs
     (above 1: cascade pays), one row per batch, one column per prefix length."""
     prefixes = sorted({p for _, p in found})
     lines = ["| B \\ prefix | " + " | ".join(str(p) for p in prefixes) + " |",

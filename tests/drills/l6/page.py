@@ -63,8 +63,8 @@ def check_bytes_and_flops(text):
 
 
 def check_vllm_model(text):
-    """§7: vLLM's use_cascade_attention wave model on the target shape (132 SMs)."""
-    sec = _section(text, 7)
+    """§5: vLLM's use_cascade_attention wave model on the target shape (132 SMs)."""
+    sec = _section(text, 5)
     sms, tile, b, h, h_kv, prefix = 132, 128, 64, 32, 8, 4096
     tiles = -(-prefix // tile)
     cascade = -(-(h * -(-b // tile)) // sms) * tiles
@@ -74,18 +74,18 @@ def check_vllm_model(text):
 
 
 def check_crossover_table(text):
-    """§7's table is BENCHMARKS.md's L6 crossover table, cell by cell; before the GPU run
+    """§5's table is BENCHMARKS.md's L6 crossover table, cell by cell; before the GPU run
     every cell reads 待测."""
-    rows = re.findall(r"^\| (\d+) \| (.*) \|$", _section(text, 7), re.M)
+    rows = re.findall(r"^\| (\d+) \| (.*) \|$", _section(text, 5), re.M)
     assert [int(b) for b, _ in rows] == list(CROSSOVER_BATCHES)
-    header = re.search(r"^\| B \\ prefix \| (.*) \|$", _section(text, 7), re.M).group(1)
+    header = re.search(r"^\| B \\ prefix \| (.*) \|$", _section(text, 5), re.M).group(1)
     assert [int(p) for p in header.split(" | ")] == list(CROSSOVER_PREFIXES)
     bench = (ROOT / "BENCHMARKS.md").read_text()
     start = bench.find("## L6")
     measured = re.findall(r"^\| (\d+) \| (.*) \|$", bench[start:bench.find("\n## ", start + 4)], re.M) \
         if start >= 0 else []
     if measured:
-        assert rows == measured, "content/l6.md §7's crossover table is not BENCHMARKS.md's"
+        assert rows == measured, "content/l6.md §5's crossover table is not BENCHMARKS.md's"
     else:
         assert all(cell == "待测" for _, cells in rows for cell in cells.split(" | "))
 
