@@ -10,7 +10,7 @@ Conventions every page follows (content/README.md in words, here in code):
 - each pitfall is tagged `pitfall:<name>`;
 - the numbered sections come in one order (ORDER below);
 - a number quoted from BENCHMARKS.md stands on a line that says so, and is in BENCHMARKS.md.
-Then each drill's own page checks (tests/drills/<id>.py) recompute its worked examples
+Then each drill's own page checks (tests/drills/<id>/page.py) recompute its worked examples
 and self-test answers against the references.
 """
 import ast
@@ -123,7 +123,7 @@ def test_readme_table_lists_every_drill_in_order():
 @pytest.mark.parametrize("drill,check", [(d, c) for d in DRILLS for c in d.page_checks],
                          ids=[f"{d.id}-{c.__name__}" for d in DRILLS for c in d.page_checks])
 def test_page_numbers(drill, check):
-    """Each drill's own checks of the numbers its page works out (tests/drills/<id>.py)."""
+    """Each drill's own checks of the numbers its page works out (tests/drills/<id>/page.py)."""
     check((ROOT / drill.page).read_text())
 
 

@@ -127,7 +127,7 @@ def test_block_table_past_last_block_is_not_even_loaded(drill, device):
 
 def test_decode_only_batch_is_l2(drill, device):
     """Every q_len = 1: the answer is L2's, one new token attending to its whole sequence,
-    checked against L2's own reference (tests/drills/l2.py)."""
+    checked against L2's own reference (tests/drills/l2/reference.py)."""
     from drills.l2 import DECODE_TOLERANCE, ref_paged_decode
 
     case = _case(device, [1, 1, 1, 1], [0, 15, 16, 40], seed=8)

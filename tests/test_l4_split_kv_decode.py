@@ -186,7 +186,7 @@ def test_matches_reference_for_each_dtype(drill, device, dtype):
 
 
 def test_agrees_with_l2_on_the_same_input(drill, device):
-    """L2's reference (tests/drills/l2.py, fp32) on the very case L4 gets: the split changes
+    """L2's reference (tests/drills/l2/reference.py, fp32) on the very case L4 gets: the split changes
     how the answer is summed, never what it is."""
     from drills.l2 import ref_paged_decode
 
