@@ -225,3 +225,72 @@ def guarded_table(table, spare, gen, device):
 def guarded_nan(t, device):
     """t followed by GUARD NaN."""
     return followed_by(t, torch.full((GUARD,), float("nan")), device)
+
+
+# Pages no worker may touch, by the shared storage they are in: {storage data_ptr: (storage,
+# [(byte lo, byte hi), ...])}. tests/_worker.py sends each call's fences to the worker,
+# which takes the pages away (mprotect) for the call: a kernel that reads there crashes.
+FENCES = {}
+PAGE = 4096
+
+
+def fenced_table(table, valid_last_row, spare, gen):
+    """`table` [B, W] int32 on the CPU, laid out so that the last row's first column past
+    its last valid one (`valid_last_row` columns are valid) starts a page the worker may not
+    read: a kernel that loads block-table entries past a sequence's last block crashes,
+    in a normal run, with no counter installed to notice. The columns past the valid ones
+    (and a guard after the table) hold spare block numbers as `guarded_table`'s do."""
+    rows, width = table.shape
+    per_page = PAGE // 4
+    end = (rows - 1) * width + valid_last_row             # last valid entry + 1, from the view's start
+    start = (-end) % per_page                             # so that start + end is on a page boundary
+    total = start + end + per_page + (width - valid_last_row) + GUARD
+    storage = spare[torch.randint(len(spare), (total,), generator=gen)].to(torch.int32).share_memory_()
+    view = storage[start:start + rows * width].view(rows, width)
+    flat = table.to(torch.int32).flatten()
+    keep = torch.arange(rows * width) < end               # what lies after the fence keeps its spare numbers
+    view.view(-1)[keep] = flat[keep]
+    lo = (start + end) * 4
+    FENCES[storage.untyped_storage().data_ptr()] = (storage, [(lo, lo + PAGE)])
+    return view
+
+
+def fences_of(tensors):
+    """[(argument index, byte lo, byte hi)] of the fenced pages in these tensors' storages."""
+    found = []
+    for i, t in enumerate(tensors):
+        if t.device.type == "cpu":
+            entry = FENCES.get(t.untyped_storage().data_ptr())
+            found += [(i, lo, hi) for lo, hi in entry[1]] if entry else []
+    return found
+
+
+_PROT_NONE, _PROT_READ_WRITE = 0, 3
+
+
+def fence(tensors, fences):
+    """(In the worker.) Take the fenced pages (fenced_table) away from this process for the
+    call: a load there is a crash. Each fence is page-aligned within its storage, whose
+    shared mapping here starts on a page."""
+    import ctypes
+    done = []
+    for index, lo, hi in fences:
+        address = tensors[index].untyped_storage().data_ptr() + lo
+        if address % PAGE == 0 and ctypes.CDLL(None).mprotect(ctypes.c_void_p(address), hi - lo, _PROT_NONE) == 0:
+            done.append((address, hi - lo))
+    return done
+
+
+def unfence(fenced):
+    import ctypes
+    for address, size in fenced:
+        ctypes.CDLL(None).mprotect(ctypes.c_void_p(address), size, _PROT_READ_WRITE)
+
+
+def fence_last_row(table, last_seq_len, block_size, gen):
+    """`table` with its last row's entries past ceil(last_seq_len / block_size) on a fenced
+    page (fenced_table); the garbage entries keep the values they had."""
+    valid = -(-int(last_seq_len) // block_size)
+    table = table.cpu()
+    spare = table[-1, valid:] if valid < table.shape[1] else table[-1, -1:]
+    return fenced_table(table, valid, spare, gen)

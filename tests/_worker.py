@@ -41,6 +41,7 @@ import torch.multiprocessing as mp
 
 import _data
 import _sandbox
+from _paged import fence, fences_of, unfence
 from _process import die_with_parent
 
 ISOLATE = os.environ.get("DRILLS_ISOLATE", "1") != "0"
@@ -149,7 +150,7 @@ class Worker:
         flat = flatten_tensors((args, kwargs))
         started = time.monotonic()
         try:
-            self.conn.send(("call", str(tree), stem, name, args, kwargs, traffic))
+            self.conn.send(("call", str(tree), stem, name, args, kwargs, traffic, fences_of(flat)))
         except (BrokenPipeError, ConnectionResetError, EOFError):
             self.stop()
             raise LearnerCrash(f"the process running your code died before {name}() was called")
@@ -338,9 +339,9 @@ def _serve(conn, path, scratch):
             request = conn.recv()
         except (EOFError, OSError):
             return
-        _, tree, stem, name, args, kwargs, traffic = request
+        _, tree, stem, name, args, kwargs, traffic, fences = request
         fatal = False
-        before = launched()
+        before, fenced = launched(), []
         with _Captured() as captured:
             try:
                 conn.send(("phase", "importing your module"))
@@ -349,6 +350,7 @@ def _serve(conn, path, scratch):
                     raise AttributeError(f"{tree}/{stem}.py defines no {name}(): was it renamed or deleted? "
                                          f"(make reset DRILL=... restores the stub; your file is backed up first)")
                 conn.send(("phase", f"{name}()"))
+                fenced = fence(flatten_tensors((args, kwargs)), fences)
                 if traffic:
                     # The counters live in this process, beside the learner's code: a hostile
                     # file could patch the interpreter, tests/_counting.py or numpy here and
@@ -373,6 +375,7 @@ def _serve(conn, path, scratch):
                 if isinstance(error, FileNotFoundError):
                     text += " (make reset DRILL=... restores the stub)"
                 reply = ("error", (type(error).__name__, text, _where(error, tree), fatal))
+        unfence(fenced)  # the storages may come back in a later call
         try:
             conn.send((*reply, captured.out, captured.err, launched() - before))
         except Exception as error:  # e.g. a result that cannot be pickled
