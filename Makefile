@@ -1,6 +1,7 @@
 # The front door. Every target sets up .venv on first use.
 #   make grade                 grade mine/ (TREE=solutions or TREE=path to grade another tree; DRILL=l1 for one;
-#                              TIMEOUT=120: seconds your code may run in one test, default 60)
+#                              TIMEOUT=120: seconds your code may run in one test, default 60;
+#                              KERNELS=solutions: E1 runs on the reference L1 and L3 instead of yours)
 #   make test                  the whole test suite against solutions/
 #   make bench                 the bandwidth report of solutions/ (needs a GPU)
 #   make diff DRILL=l1         your file next to the reference, side by side (TREE=path for a learner's copy)
@@ -17,6 +18,7 @@ PY     := $(VENV)/bin/python
 TREE   ?= mine
 DRILL  ?=
 TIMEOUT ?=
+KERNELS ?=
 
 # Set-up is decided by tests/_setup.py, which prints the path it took. Without an
 # NVIDIA GPU, torch comes from PyTorch's CPU index (a ~192 MB wheel rather than
@@ -40,7 +42,7 @@ $(VENV)/.ready: pyproject.toml
 # grader.py exits 1 unless every drill passes (for scripts); for a learner that
 # is the normal state of things, not an error of make's.
 grade: setup
-	@$(PY) grader.py --tree $(TREE) $(if $(TIMEOUT),--test-timeout $(TIMEOUT)) $(DRILL) || true
+	@DRILLS_KERNELS='$(KERNELS)' $(PY) grader.py --tree $(TREE) $(if $(TIMEOUT),--test-timeout $(TIMEOUT)) $(DRILL) || true
 
 test: setup
 	$(PY) -m pytest --tree solutions -q
