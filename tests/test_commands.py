@@ -219,6 +219,23 @@ def test_the_failure_footer_names_the_graded_tree():
     assert "--tree mine" not in text and "--tree=mine" not in text
 
 
+@pytest.mark.parametrize("sandbox,warned", [("none", True), ("landlock ABI 7", False)])
+def test_a_grade_without_landlock_says_in_one_line_that_it_is_not_tamper_proof(sandbox, warned, monkeypatch):
+    """Where the kernel has no Landlock the grade warns, and --json records "sandbox": "none"
+    (grader.py takes the value from tests/_worker.py's SANDBOX)."""
+    from rich.console import Console
+
+    import _render
+    front = load_front()
+    assert front.SANDBOX == "none" or front.SANDBOX.startswith("landlock ABI")
+    console = Console(record=True, width=300)
+    _render.show(console, dict(tree="t", tree_name="mine", device="CPU", sandbox=sandbox, drills=[],
+                               bench_note="needs a GPU"))
+    text = console.export_text()
+    assert ("not tamper-proof" in text) == warned
+    assert sum("not tamper-proof" in line for line in text.splitlines()) == int(warned)
+
+
 def test_interpreter_warnings_are_marked_with_short_paths_and_the_learners_lines_stand_out():
     from rich.console import Console
 

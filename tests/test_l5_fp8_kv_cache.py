@@ -11,11 +11,13 @@ NaN/inf bytes, which a GPU reads as NaN; the CPU interpreter reads them as finit
 numbers, so there the loads are counted instead.
 """
 import pytest
+
+import _env
 import torch
 from hypothesis import Phase, given, settings
 
-from _diagnose import Mismatch, expect_value_error
-from _paged import DTYPES, caches_past_int32, changed, poisoned_out, snapshot
+from _diagnose import Mismatch, expect_value_error, reads_only_the_table_it_needs
+from _paged import DTYPES, caches_past_int32, changed, fence_last_row, poisoned_out, snapshot
 from drills.l5 import (FORMAT_TOLERANCE, FP8_DTYPES, WORKED_EXAMPLE, check_fp8_decode, check_fp8_write,
                        check_only_live_tokens_loaded, decode_case, decode_params, fp8_bytes, fp8_errors,
                        worked_example_numbers, write_case, write_params)
@@ -224,6 +226,18 @@ def test_decode_loads_only_live_tokens(drill, device):
     if not check_only_live_tokens_loaded(drill, _case(device, [5, 17, 40], tail="nan", extra_columns=3,
                                                       num_splits=3, seed=6)):
         pytest.skip("loads are counted only under the CPU interpreter; on a GPU the NaN bytes show it")
+
+
+@pytest.mark.skipif(not _env.INTERPRET, reason="the fenced page is host memory: the table is a CUDA tensor on a GPU")
+def test_decode_never_reads_the_block_table_past_the_last_block(drill, device):
+    """The same rule in a normal run, with nothing counted: the last sequence's block-table
+    entries past its last block lie on a page the worker may not read (tests/_paged.py
+    fence_last_row), so a kernel that loads them crashes."""
+    for seed, seq_lens in enumerate(([5, 17, 40], [40, 3])):
+        case = _case(device, seq_lens, extra_columns=3, num_splits=3, seed=seed)
+        case.block_table = fence_last_row(case.block_table, seq_lens[-1], 16, torch.Generator().manual_seed(seed))
+        with reads_only_the_table_it_needs("content/l5.md §8"):
+            decode(drill, case)
 
 
 @pytest.mark.parametrize("head_size", [3, 40], ids=lambda d: f"D={d}")
