@@ -67,7 +67,7 @@ def _explain_non_finite(case, got, want, b, h, atol, rtol):
     bad = ~torch.isfinite(got).all(dim=-1)  # [B, H_q]
     head = f"{_where(case, b, h)}: the output holds NaN or inf ({int(bad.sum())} of {bad.numel()} outputs)"
     if bool(bad.all()):
-        return (f"{head}: every output is NaN or inf, so no single planted NaN explains it; look for a division by "
+        return (f"{head}: every output is NaN or inf, which alone singles out no mistake; look for a division by "
                 f"zero (l = 0), exp of +inf (a sign flipped in exp(m_old - m_new)?), or a read outside the inputs "
                 f"(content/l2.md §3, §5)"), None
     causes = [name for name in _NAN_CAUSES if _variant_reproduces(case, name, got, bad, atol, rtol)]
