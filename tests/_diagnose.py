@@ -125,6 +125,33 @@ def reproduces(got, want, alt, atol, rtol, where):
     return bool(close[where].all()) and bool(far[where].all())
 
 
+def explain_token_rows(got, want, atol, rtol, explain_non_finite, explain_wrong, fmt_row, describe):
+    """The shape every check of [tokens, heads, D] attention outputs shares (L3, L6):
+    nothing when every (token, head) row is within tolerance; else a Mismatch whose first
+    line is the finding, from `explain_non_finite(got)` when a wrong row holds NaN or inf,
+    else from `explain_wrong(got, want, wrong)` (each returns (sentence, pitfall or None)),
+    then the first wrong element, the wrong tokens (`fmt_row(t)`) and the case (`describe()`)."""
+    wrong = ~torch.isclose(got, want, atol=atol, rtol=rtol).all(dim=-1)  # [total_q, H_q]; NaN counts as wrong
+    if not wrong.any():
+        return
+    t, h = (int(x) for x in wrong.nonzero()[0])
+    bad_rows = wrong.any(dim=1)
+    if not torch.isfinite(got[bad_rows]).all():
+        finding, pitfall = explain_non_finite(got)
+    else:
+        finding, pitfall = explain_wrong(got, want, wrong)
+    err = torch.nan_to_num((got[t, h] - want[t, h]).abs(), nan=float("inf"))
+    d = int(err.argmax())
+    tokens = bad_rows.nonzero().flatten().tolist()
+    listed = ", ".join(fmt_row(x) for x in tokens[:4]) + (", ..." if len(tokens) > 4 else "")
+    raise Mismatch(
+        f"{finding}\n"
+        f"  first: {fmt_row(t)}, query head {h}, element {d}: expected {float(want[t, h, d]):.5g}, got "
+        f"{float(got[t, h, d]):.5g} (tolerance {atol} + {rtol}·|expected|)\n"
+        f"  {len(tokens)} of {len(got)} query tokens wrong: {listed}\n  {describe()}",
+        [pitfall] if pitfall else [])
+
+
 def output_of(out, returned, like, function, section):
     """The output tensor a check compares, once the output contract holds: `out` is the
     Guarded buffer passed as out= (checked by check_out_buffer against `returned`), or,

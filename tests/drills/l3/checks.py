@@ -5,7 +5,7 @@ import math
 import torch
 
 import _wrong
-from _diagnose import Mismatch, far_from, output_of, reproduces
+from _diagnose import explain_token_rows, far_from, output_of, reproduces
 
 from .mistakes import PLANTED, SECTION
 from .reference import TOLERANCE, ref_paged_prefill
@@ -20,25 +20,9 @@ def check_paged_prefill(case, out, returned=None):
     out = output_of(out, returned, query, "paged_prefill_attention", "content/l3.md §1")
     got, want = out.double().cpu(), case.reference()
     atol, rtol = TOLERANCE[query.dtype]
-    wrong = ~torch.isclose(got, want, atol=atol, rtol=rtol).all(dim=-1)  # [total_q, H_q]; NaN counts as wrong
-    if not wrong.any():
-        return
-    t, h = (int(x) for x in wrong.nonzero()[0])
-    bad_rows = wrong.any(dim=1)
-    if not torch.isfinite(got[bad_rows]).all():
-        finding, pitfall = _explain_non_finite(case, got, atol, rtol)
-    else:
-        finding, pitfall = _explain_wrong(case, got, want, wrong, atol, rtol)
-    err = torch.nan_to_num((got[t, h] - want[t, h]).abs(), nan=float("inf"))
-    d = int(err.argmax())
-    tokens = bad_rows.nonzero().flatten().tolist()
-    listed = ", ".join(_fmt_row(case, x) for x in tokens[:4]) + (", ..." if len(tokens) > 4 else "")
-    raise Mismatch(
-        f"{finding}\n"
-        f"  first: {_fmt_row(case, t)}, query head {h}, element {d}: expected {float(want[t, h, d]):.5g}, got "
-        f"{float(got[t, h, d]):.5g} (tolerance {atol} + {rtol}·|expected|)\n"
-        f"  {len(tokens)} of {len(got)} query tokens wrong: {listed}\n  {_describe(case)}",
-        [pitfall] if pitfall else [])
+    explain_token_rows(got, want, atol, rtol, lambda got: _explain_non_finite(case, got, atol, rtol),
+                       lambda got, want, wrong: _explain_wrong(case, got, want, wrong, atol, rtol),
+                       lambda t: _fmt_row(case, t), lambda: _describe(case))
 
 
 def _fmt_row(case, t):

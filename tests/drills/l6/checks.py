@@ -4,7 +4,7 @@ cascade_attention's output against the reference, a wrong one explained by the m
 import torch
 
 import _wrong
-from _diagnose import Mismatch, output_of, reproduces
+from _diagnose import Mismatch, explain_token_rows, output_of, reproduces
 
 from .mistakes import PLANTED, SECTION
 from .reference import TOLERANCE, prefix_len_rule
@@ -43,25 +43,9 @@ def check_cascade(case, out, returned=None):
     out = output_of(out, returned, case.query, "cascade_attention", "content/l6.md §1")
     got, want = out.double().cpu(), case.reference()
     atol, rtol = TOLERANCE[case.query.dtype]
-    wrong = ~torch.isclose(got, want, atol=atol, rtol=rtol).all(dim=-1)  # [total_q, H_q]; NaN counts as wrong
-    if not wrong.any():
-        return
-    t, h = (int(x) for x in wrong.nonzero()[0])
-    bad_rows = wrong.any(dim=1)
-    if not torch.isfinite(got[bad_rows]).all():
-        finding, pitfall = _explain_non_finite(case, got, atol, rtol)
-    else:
-        finding, pitfall = _explain_wrong(case, got, want, wrong, atol, rtol)
-    err = torch.nan_to_num((got[t, h] - want[t, h]).abs(), nan=float("inf"))
-    d = int(err.argmax())
-    tokens = bad_rows.nonzero().flatten().tolist()
-    listed = ", ".join(_fmt_row(case, x) for x in tokens[:4]) + (", ..." if len(tokens) > 4 else "")
-    raise Mismatch(
-        f"{finding}\n"
-        f"  first: {_fmt_row(case, t)}, query head {h}, element {d}: expected {float(want[t, h, d]):.5g}, got "
-        f"{float(got[t, h, d]):.5g} (tolerance {atol} + {rtol}·|expected|)\n"
-        f"  {len(tokens)} of {len(got)} query tokens wrong: {listed}\n  {_describe(case)}",
-        [pitfall] if pitfall else [])
+    explain_token_rows(got, want, atol, rtol, lambda got: _explain_non_finite(case, got, atol, rtol),
+                       lambda got, want, wrong: _explain_wrong(case, got, want, wrong, atol, rtol),
+                       lambda t: _fmt_row(case, t), lambda: _describe(case))
 
 
 def _fmt_row(case, t):
