@@ -13,7 +13,6 @@ There is no traffic part: the engine's bytes are its kernels', which L1 and L3 c
 """
 from _drill import Drill
 
-from .bench import BENCH, bench_work
 from .cases import (FIXTURE_CHECKS, TEST_SHAPES, WORKED_EXAMPLE, EngineCase, Recorder, block_ops, engine_case,
                     example_case, kernels_tree, random_prompts, spy_on, tiny_model)
 from .checks import check_generate, explain, run_generate, steps_of
@@ -33,7 +32,6 @@ DRILL = Drill(
     torch_only=("replay_block_manager",),
     test_shapes=TEST_SHAPES,
     bench=(),  # one generate() takes seconds: `cd tests && python -m drills.e1.bench` measures it (BENCHMARKS.md)
-    bench_work=bench_work,
     page_checks=PAGE_CHECKS,
     fixture_checks=FIXTURE_CHECKS,
 )

@@ -43,25 +43,6 @@ def bench_model(device, seed=0):
     return model
 
 
-def bench_work(module, params, device, n_sets):
-    """(ours, {"transformers generate": (fn, graph_safe)}): one whole generate() of the
-    workload each (n_sets is unused: a run's KV is far larger than any cache)."""
-    model = bench_model(device)
-    gen = torch.Generator().manual_seed(1)
-    prompts = torch.randint(1, MODEL["vocab"], (params["num_seqs"], params["prompt"]), generator=gen)
-    lists = prompts.tolist()
-
-    def ours():
-        module.generate(model, lists, params["new"], block_size=16, max_num_batched_tokens=params["budget"])
-
-    def transformers_generate():
-        with torch.no_grad():
-            model.generate(prompts.to(device), attention_mask=torch.ones_like(prompts, device=device),
-                           max_new_tokens=params["new"], min_new_tokens=params["new"], do_sample=False)
-
-    return ours, {"transformers generate": (transformers_generate, False)}
-
-
 _PARAMS = dict(num_seqs=64, prompt=512, new=128, budget=8192)
 # A decode step at the mean context (512 + 64 tokens): the weights plus the KV read.
 BENCH = (BenchCase("1B llama, 64 x (512 + 128)", _PARAMS,
