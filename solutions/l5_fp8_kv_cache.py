@@ -26,7 +26,7 @@ FORMATS = {  # dtype: (largest finite value, mantissa bits, exponent bias)
 CPU_NUM_SPLITS = 4   # num_splits=None on the CPU: small, but enough to exercise the merge
 PROGRAMS_PER_SM = 4  # num_splits=None on a GPU aims at this many phase-1 programs per SM ...
 MAX_SPLITS = 32      # ... with at most this many splits
-NUM_WARPS, NUM_STAGES = 4, 3  # phase 1's launch, as L4's
+NUM_WARPS, NUM_STAGES = 2, 1  # phase 1's launch: the fastest tried on an H200 (BENCHMARKS.md)
 
 
 @triton.jit
@@ -49,11 +49,29 @@ def _fp8_bits(y, MANT: tl.constexpr, BIAS: tl.constexpr):
 
 
 @triton.jit
+def _divide(x, scale, EXACT: tl.constexpr):
+    """x / scale in fp32, rounded once (torch's division), for x [H, D] and scale [H, 1].
+    A correctly rounded division per element (tl.math.div_rn) costs more than the
+    memory traffic; one per head, for the reciprocal, does not."""
+    if EXACT:  # the interpreter: its tl.fma rounds twice, so the fix below would not be exact
+        q = tl.math.div_rn(x, scale)
+    else:
+        inv = tl.math.div_rn(tl.full(scale.shape, 1.0, tl.float32), scale)
+        q = x * inv  # within one unit in the last place of x / scale
+        # Markstein's correction: the residual x - q * scale is exact in one fma, and
+        # q + residual * inv, rounded once, is x / scale correctly rounded. Not at 0,
+        # whose sign it would drop, nor for a huge q (saturated anyway: inf - inf).
+        fixed = tl.fma(tl.fma(-q, scale, x), inv, q)
+        q = tl.where((q != 0) & (tl.abs(q) < 1e30), fixed, q)
+    return q
+
+
+@triton.jit
 def _quantise_store(ptr, x, scale, mask, FP8_MAX: tl.constexpr, MANT: tl.constexpr, BIAS: tl.constexpr,
                     INT_ENCODE: tl.constexpr):
     # In fp32, correctly rounded: Triton's `/` is not (it flips a few fp8 roundings
     # per million), and x / scale in x's own 16-bit dtype would round twice.
-    q = tl.math.div_rn(x.to(tl.float32), scale)
+    q = _divide(x.to(tl.float32), scale, INT_ENCODE)
     q = tl.minimum(tl.maximum(q, -FP8_MAX), FP8_MAX)  # saturate: never NaN or inf in the cache
     if INT_ENCODE:
         tl.store(ptr, _fp8_bits(q, MANT, BIAS), mask=mask)  # ptr is a uint8 view of the cache
@@ -65,25 +83,26 @@ def _quantise_store(ptr, x, scale, mask, FP8_MAX: tl.constexpr, MANT: tl.constex
 def reshape_and_cache_fp8_kernel(
     key_ptr, value_ptr, k_cache_ptr, v_cache_ptr, slot_mapping_ptr, k_scale_ptr, v_scale_ptr,
     key_stride, value_stride,    # elements from one token's row to the next
-    HD,                          # num_kv_heads * head_size: one slot's length
-    HEAD_SIZE: tl.constexpr,     # D: column c of a slot belongs to KV head c // D
+    NUM_HEADS: tl.constexpr, HEAD_SIZE: tl.constexpr,
+    H_PAD: tl.constexpr, D_PAD: tl.constexpr,  # H and D rounded up to powers of two
     SCALE_STRIDE: tl.constexpr,  # 0: one scale for the tensor ([1]); 1: one per KV head ([H_kv])
     FP8_MAX: tl.constexpr, MANT: tl.constexpr, BIAS: tl.constexpr,  # the cache's format (FORMATS)
     INT_ENCODE: tl.constexpr,    # interpreter: see _INTERPRET above
-    BLOCK: tl.constexpr,         # next power of two >= HD
 ):
     # L1's kernel: one program per token, int64 offsets, padding (slot -1) touches nothing.
+    # The token's row is a tile [H, D], so each head's scale is one value per row.
     token = tl.program_id(axis=0).to(tl.int64)
     slot = tl.load(slot_mapping_ptr + token).to(tl.int64)
-    cols = tl.arange(0, BLOCK)
-    keep = cols < tl.where(slot >= 0, HD, 0)
+    heads = tl.arange(0, H_PAD)
+    dims = tl.arange(0, D_PAD)
+    cols = heads[:, None] * HEAD_SIZE + dims[None, :]
+    keep = (heads < tl.where(slot >= 0, NUM_HEADS, 0))[:, None] & (dims < HEAD_SIZE)[None, :]
     k = tl.load(key_ptr + token * key_stride + cols, mask=keep)
     v = tl.load(value_ptr + token * value_stride + cols, mask=keep)
-    # Each column's KV head picks its scale; a per-tensor scale has stride 0.
-    head = cols // HEAD_SIZE
-    k_scale = tl.load(k_scale_ptr + head * SCALE_STRIDE, mask=keep, other=1.0)
-    v_scale = tl.load(v_scale_ptr + head * SCALE_STRIDE, mask=keep, other=1.0)
-    row = slot * HD + cols
+    # A per-tensor scale has stride 0: every head reads the same value.
+    k_scale = tl.load(k_scale_ptr + heads * SCALE_STRIDE, mask=heads < NUM_HEADS, other=1.0)[:, None]
+    v_scale = tl.load(v_scale_ptr + heads * SCALE_STRIDE, mask=heads < NUM_HEADS, other=1.0)[:, None]
+    row = slot * (NUM_HEADS * HEAD_SIZE) + cols
     _quantise_store(k_cache_ptr + row, k, k_scale, keep, FP8_MAX, MANT, BIAS, INT_ENCODE)
     _quantise_store(v_cache_ptr + row, v, v_scale, keep, FP8_MAX, MANT, BIAS, INT_ENCODE)
 
@@ -98,14 +117,12 @@ def reshape_and_cache_fp8(key, value, k_cache, v_cache, slot_mapping, k_scale, v
     fp8_max, mant, bias = FORMATS[k_cache.dtype]
     if _INTERPRET:  # the byte is computed in the kernel and stored as uint8 (see _INTERPRET)
         k_cache, v_cache = k_cache.view(torch.uint8), v_cache.view(torch.uint8)
-    hd = num_heads * head_size
-    block = triton.next_power_of_2(hd)
+    h_pad, d_pad = triton.next_power_of_2(num_heads), triton.next_power_of_2(head_size)
     reshape_and_cache_fp8_kernel[(num_tokens,)](
-        key, value, k_cache, v_cache, slot_mapping, k_scale, v_scale,
-        key.stride(0), value.stride(0), hd,
-        HEAD_SIZE=head_size, SCALE_STRIDE=int(k_scale.numel() > 1),
-        FP8_MAX=fp8_max, MANT=mant, BIAS=bias, INT_ENCODE=_INTERPRET,
-        BLOCK=block, num_warps=max(1, min(8, block // 256)),
+        key, value, k_cache, v_cache, slot_mapping, k_scale, v_scale, key.stride(0), value.stride(0),
+        NUM_HEADS=num_heads, HEAD_SIZE=head_size, H_PAD=h_pad, D_PAD=d_pad,
+        SCALE_STRIDE=int(k_scale.numel() > 1), FP8_MAX=fp8_max, MANT=mant, BIAS=bias, INT_ENCODE=_INTERPRET,
+        num_warps=max(1, min(8, h_pad * d_pad // 512)),  # 2 for 8 x 128, the fastest on an H200 (BENCHMARKS.md)
     )
 
 

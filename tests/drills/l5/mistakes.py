@@ -4,7 +4,7 @@ import _env
 from _drill import Mistake, Pitfall, Planted
 
 SECTION = "content/l5.md §10"
-_DIVIDE = "q = tl.math.div_rn(x.to(tl.float32), scale)"
+_DIVIDE = "q = _divide(x.to(tl.float32), scale, INT_ENCODE)"
 _PART = "part = acc / tl.where(l > 0, l, 1.0)[:, None] * v_scale"
 _K_LOAD = "k = tl.load(k_cache_ptr + kv_offs, mask=kv_mask, other=0.0).to(tl.float32).to(q.dtype)"
 _V_LOAD = "v = tl.load(v_cache_ptr + kv_offs, mask=kv_mask, other=0.0).to(tl.float32).to(q.dtype)"
@@ -28,7 +28,7 @@ PITFALLS = {
         edits=((_DIVIDE, "q = (x / scale.to(x.dtype)).to(tl.float32)"),)),
     "padding_written": Pitfall(
         says="padding tokens (slot -1) are not skipped: their row is quantised into slot -1, just before the cache",
-        edits=(("keep = cols < tl.where(slot >= 0, HD, 0)", "keep = cols < HD"),), races=True),
+        edits=(("tl.where(slot >= 0, NUM_HEADS, 0)", "NUM_HEADS"),), races=True),
     "scale_by_query_head": Pitfall(
         says="the per-KV-head scale is indexed by the query head (scale[h_q]) instead of its KV head "
              "(scale[h_q // group])",
