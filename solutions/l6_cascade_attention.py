@@ -267,7 +267,7 @@ def cascade_attention(query, k_cache, v_cache, block_table, query_start_loc, seq
             num_splits = CPU_PREFIX_SPLITS
         else:
             sms = torch.cuda.get_device_properties(query.device).multi_processor_count
-            want = triton.cdiv(4 * sms, num_kv_heads * q_blocks)
+            want = triton.cdiv(2 * sms, num_kv_heads * q_blocks)
             num_splits = max(1, min(want, common_prefix_len // MIN_SPLIT_KEYS))
         tile1 = 16 if on_cpu else (64 if d_pad <= 128 else 32)
         chunk = triton.cdiv(triton.cdiv(common_prefix_len, num_splits), tile1) * tile1
@@ -278,7 +278,7 @@ def cascade_attention(query, k_cache, v_cache, block_table, query_start_loc, seq
             parts, lse, query, k_cache, v_cache, block_table, scale * LOG2E, total_q, common_prefix_len, chunk,
             query.stride(0), num_heads, num_kv_heads, num_splits + 1,
             BLOCK_Q=block_q1, BLOCK_M=block_m1, TILE=tile1, **common,
-            num_warps=4 if on_cpu else 8, num_stages=1 if on_cpu else 2)
+            num_warps=4, num_stages=1 if on_cpu else 2)
 
     # Pass 2: L3 over each sequence's own keys, prefix_len onwards.
     if on_cpu:
@@ -286,7 +286,7 @@ def cascade_attention(query, k_cache, v_cache, block_table, query_start_loc, seq
     elif total_q / num_seqs >= 16:
         block_m2, tile2, warps, stages = max(rows, 128), 32, 8, 2  # L3's prefill tile
     else:
-        block_m2, tile2, warps, stages = rows, (64 if d_pad <= 128 else 32), 4, 2  # L3's decode tile
+        block_m2, tile2, warps, stages = rows, (64 if d_pad <= 128 else 32), 4, 3  # L3's decode tile, 3 stages
     block_q2 = block_m2 // group
     suffix_kernel[(num_kv_heads, total_q // block_q2 + num_seqs)](
         out, parts, lse, query, k_cache, v_cache, block_table, query_start_loc, seq_lens, scale * LOG2E,

@@ -131,6 +131,17 @@ def test_a_chunk_of_the_prefix_with_no_key_stays_finite(drill, device):
     run(drill, _case(device, [1, 3, 1], [18, 16, 25], 4, nan=False, seed=5))
 
 
+@pytest.mark.pitfall("empty_part_nan")
+@pytest.mark.skipif(_env.INTERPRET, reason="a GPU-sized prefix: the interpreter's chunks are tested above")
+def test_long_prefix_cut_into_chunks_on_a_gpu(drill, device):
+    """4112 shared tokens (257 blocks of 16) and a mixed batch. At the other tests' sizes a
+    GPU gives the whole prefix to one chunk; this one it cuts into many, and with the
+    reference's rule (16 chunks of 320 keys) the last three hold no key at all: chunks
+    must meet exactly in the merge, and an empty one must weigh nothing."""
+    run(drill, _case(device, [1, 1, 7, 1, 3, 1], [4200, 4112, 4300, 4150, 4500, 4120], 257, block_size=16,
+                     head_size=64, seed=21))
+
+
 @pytest.mark.pitfall("prefix_per_sequence")
 def test_prefix_is_read_once_for_the_batch(drill, device):
     """pitfall:prefix_per_sequence: the right answer is not enough; pass 1 must load the

@@ -27,7 +27,9 @@ PITFALLS = {
     "prefix_per_sequence": Pitfall(
         says="pass 1 gives each program one token's queries (one sequence's, in a decode batch), so the prefix's "
              "K/V are read once per sequence instead of once for the batch: right, but no faster than L3",
-        edits=(("block_q1 = block_m1 // group", "block_q1 = 1"),)),
+        edits=(("block_q1 = block_m1 // group", "block_q1 = 1"),),
+        # Right answers, more bytes: only the interpreter's load counters (the traffic test) see it.
+        interpreter_only=True),
     "merge_swapped": Pitfall(
         says="the merge pairs each part's v with another part's log-sum-exp (the sides swapped)",
         edits=((_MERGE_LSE, _MERGE_LSE.replace("first + parts,", "first + (NUM_PARTS - 1 - parts),")),)),

@@ -86,6 +86,12 @@ def check_crossover_table(text):
         if start >= 0 else []
     if measured:
         assert rows == measured, "content/l6.md §5's crossover table is not BENCHMARKS.md's"
+        # The sentence under it: the shortest prefix at which cascade pays, per batch.
+        pays = {int(b): next((p for p, c in zip(CROSSOVER_PREFIXES, cells.split(" | ")) if float(c[:-1]) > 1), None)
+                for b, cells in rows}
+        said = "B = 8 时 4096，B = 16 和 32 时 2048，B = 64 时 1024，B = 128 时 512；B ≤ 4 时没有一格划算"
+        assert said in _section(text, 5)
+        assert pays == {1: None, 2: None, 4: None, 8: 4096, 16: 2048, 32: 2048, 64: 1024, 128: 512}
     else:
         assert all(cell == "待测" for _, cells in rows for cell in cells.split(" | "))
 
@@ -104,7 +110,7 @@ def check_self_tests(text):
     assert f"合计 {kv} 字节" in q and f"约 {128 * 8448 * 4096 / kv:.1f} 倍" in q
     q = _self_test(text, 4)
     blocks = -(-64 // (128 // 4))
-    want = -(-(4 * 132) // (8 * blocks))
+    want = -(-(2 * 132) // (8 * blocks))
     assert f"= {blocks} 个行块" in q and f"= {want}" in q and f"取 {min(want, 4096 // 256)}" in q
 
 
