@@ -96,16 +96,13 @@ class BlockManager:
     def block_table(self, seq_ids):
         """int32 [len(seq_ids), max_blocks]: row b lists seq_ids[b]'s blocks, then -1."""
         rows = [self._blocks[s] for s in seq_ids]
-        table = torch.full((len(rows), max([len(r) for r in rows] + [1])), -1, dtype=torch.int32)
-        for b, row in enumerate(rows):
-            table[b, :len(row)] = torch.tensor(row, dtype=torch.int32)
-        return table
+        width = max([len(r) for r in rows] + [1])
+        return torch.tensor([r + [-1] * (width - len(r)) for r in rows], dtype=torch.int32).view(len(rows), width)
 
     def slot_mapping(self, seq_id, positions):
         """int64 slots of `positions` of seq_id: block * block_size + offset in the block."""
-        positions = torch.as_tensor(positions, dtype=torch.int64)
-        blocks = torch.tensor(self._blocks[seq_id], dtype=torch.int64)
-        return blocks[positions // self.block_size] * self.block_size + positions % self.block_size
+        blocks, size = self._blocks[seq_id], self.block_size
+        return torch.tensor([blocks[p // size] * size + p % size for p in map(int, positions)], dtype=torch.int64)
 
 
 # ---------------------------------------------------------------------------

@@ -49,10 +49,52 @@ BENCH = (BenchCase("1B llama, 64 x (512 + 128)", _PARAMS,
                    decode_step_bytes(64, 576, **MODEL), decode_step_flops(64, 576, **MODEL)),)
 
 
+def decode_step_times(module, model, context, num_seqs, device="cuda"):
+    """One decode step's forward (num_seqs sequences at `context` cached tokens), eager and
+    replayed as a CUDA graph: what graphs would buy the engine. It reads the reference
+    engine's own parts (BlockManager, Request, _prepare, _forward); None for a tree
+    without them."""
+    from triton.testing import do_bench
+    if not all(hasattr(module, name) for name in ("BlockManager", "Request", "_prepare", "_forward")):
+        return None
+    config, block_size = model.config, 16
+    head_dim = model.model.layers[0].self_attn.head_dim
+    num_blocks = num_seqs * -(-(context + 1) // block_size)
+    shape = (num_blocks, block_size, config.num_key_value_heads, head_dim)
+    caches = [(torch.randn(shape, dtype=torch.bfloat16, device=device),
+               torch.randn(shape, dtype=torch.bfloat16, device=device)) for _ in model.model.layers]
+    blocks, batch = module.BlockManager(num_blocks, block_size), []
+    for i in range(num_seqs):
+        request = module.Request(i, [1] * (context + 1), 1)
+        blocks.allocate(i, context + 1)
+        request.computed = context
+        batch.append((request, 1))
+    step = module._prepare(blocks, batch, device)
+    kernels = module._tree_kernels()
+
+    def forward():
+        return module._forward(model, caches, step, kernels)
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):  # warm up (compile) off the capturing stream
+        for _ in range(3):
+            forward()
+    torch.cuda.current_stream().wait_stream(side)
+    eager = do_bench(forward, warmup=5, rep=300, return_mode="median")
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        logits = forward()
+    graph.replay()
+    same = bool(torch.equal(logits, forward()))
+    replay = do_bench(graph.replay, warmup=5, rep=300, return_mode="median")
+    return dict(eager_ms=round(eager, 2), graph_ms=round(replay, 2), graph_logits_equal=same)
+
+
 def measure(module, device="cuda", params=_PARAMS):
-    """One timed run each (a whole generate is seconds: no repeats), after a small warm-up
-    that compiles the kernels: the engine's and transformers' tokens/s, and the engine's
-    decode step, (T(new) - T(1)) / (new - 1), against its floor (bytes over the ceiling)."""
+    """One timed run each (a whole generate is seconds: no repeats), after a warm-up with
+    the same workload (the first run compiles the kernels for every shape it meets): the
+    engine's and transformers' tokens/s, and the engine's decode step,
+    (T(new) - T(1)) / (new - 1), against its floor (bytes over the ceiling)."""
     import time
 
     from _bench import copy_ceiling_gbps
@@ -67,26 +109,28 @@ def measure(module, device="cuda", params=_PARAMS):
         torch.cuda.synchronize()
         return time.perf_counter() - start
 
-    def engine(new, rows=params["num_seqs"]):
-        return lambda: module.generate(model, prompts[:rows].tolist(), new, block_size=16,
+    def engine(new):
+        return lambda: module.generate(model, prompts.tolist(), new, block_size=16,
                                        max_num_batched_tokens=params["budget"])
 
-    def hf(new, rows=params["num_seqs"]):
+    def hf(new):
         def run():
             with torch.no_grad():
-                p = prompts[:rows].to(device)
+                p = prompts.to(device)
                 model.generate(p, attention_mask=torch.ones_like(p), max_new_tokens=new, min_new_tokens=new,
                                do_sample=False)
         return run
-    timed(engine(2, 2)), timed(hf(2, 2))  # compile and warm
+    timed(engine(params["new"])), timed(hf(4))  # compile and warm
     full, one = timed(engine(params["new"])), timed(engine(1))
     theirs = timed(hf(params["new"]))
     tokens = params["num_seqs"] * params["new"]
     step = (full - one) / (params["new"] - 1)
     floor = BENCH[0].bytes / (copy_ceiling_gbps() * 1e9)
+    mean_context = params["prompt"] + params["new"] // 2
     return dict(engine_tokens_per_s=round(tokens / full), transformers_tokens_per_s=round(tokens / theirs),
                 speedup=round(theirs / full, 2), engine_s=round(full, 2), transformers_s=round(theirs, 2),
-                prefill_s=round(one, 3), decode_step_ms=round(step * 1e3, 2), decode_floor_ms=round(floor * 1e3, 2))
+                prefill_s=round(one, 3), decode_step_ms=round(step * 1e3, 2), decode_floor_ms=round(floor * 1e3, 2),
+                decode_forward=decode_step_times(module, model, mean_context, params["num_seqs"], device))
 
 
 if __name__ == "__main__":

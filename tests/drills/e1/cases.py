@@ -1,10 +1,11 @@
-"""Drill E1's cases: the tiny models (configs with seeded random weights, fp32, CPU),
+"""Drill E1's cases: the tiny models (configs with seeded random weights, fp32, on the device the kernels run on),
 the worked example (content/e1.md §3), EngineCase and its builder, the instrumented
 kernels (Recorder, AttentionSpy: picklable, they log into shared tensors from the
 learner's worker), the block-manager strategy and the fixture checks."""
 import os
 from dataclasses import dataclass, field
 
+import _env
 import torch
 from hypothesis import strategies as st
 
@@ -45,7 +46,7 @@ def tiny_model(kind="llama", *, seed=0, layers=2, hidden=32, heads=4, kv_heads=2
                 p.copy_(noise * (1.0 if "embed" in name else p.shape[1] ** -0.5))
     model.generation_config.eos_token_id = eos
     model.generation_config.pad_token_id = eos if eos is not None else 0
-    return model.eval()
+    return model.to(_env.DEVICE).eval()  # where the kernels run: the CPU under the interpreter, else the GPU
 
 
 def random_prompts(lengths, vocab=64, seed=0, avoid=()):

@@ -177,17 +177,17 @@ def steps_of(case, calls):
 
 
 def _rotary_table(model, max_pos):
-    x = torch.zeros(1, max_pos, model.config.hidden_size)
+    x = torch.zeros(1, max_pos, model.config.hidden_size, device=model.device)
     with torch.no_grad():
-        cos, sin = model.model.rotary_emb(x, torch.arange(max_pos)[None])
-    return cos[0], sin[0]
+        cos, sin = model.model.rotary_emb(x, torch.arange(max_pos, device=model.device)[None])
+    return cos[0].cpu(), sin[0].cpu()
 
 
 def _pre_rope_keys(model, tokens):
     inner, attn = model.model, model.model.layers[0].self_attn
     with torch.no_grad():
-        k = attn.k_proj(inner.layers[0].input_layernorm(inner.embed_tokens(torch.tensor(tokens))))
-    return k.view(len(tokens), -1, attn.head_dim)
+        k = attn.k_proj(inner.layers[0].input_layernorm(inner.embed_tokens(torch.tensor(tokens, device=model.device))))
+    return k.view(len(tokens), -1, attn.head_dim).cpu()
 
 
 def _rotated_as(model, key, token, cos, sin):
@@ -301,7 +301,7 @@ def _first_row_prediction(case, r, expected):
     if not last or last[0] == len(prompt) - 1:
         return None
     with torch.no_grad():
-        logits = case.model(torch.tensor([prompt])).logits[0]
+        logits = case.model(torch.tensor([prompt], device=case.model.device)).logits[0]
     return last[0], int(logits[last[0]].argmax())
 
 

@@ -8,7 +8,8 @@ SECTION = "content/e1.md §9"
 PITFALLS = {
     "rope_batch_index": Pitfall(
         says="RoPE is applied at each token's row in the flattened batch instead of at its position in its sequence",
-        edits=(("inner.rotary_emb(h, step.positions[None])", "inner.rotary_emb(h, torch.arange(len(step.ids))[None])"),)),
+        edits=(("inner.rotary_emb(h, step.positions[None])",
+                "inner.rotary_emb(h, torch.arange(len(step.ids), device=step.ids.device)[None])"),)),
     "chunk_positions_restart": Pitfall(
         says="every chunk's positions restart at 0 (a later prompt chunk, and a decode, are rotated as if the "
              "sequence began with them), though its K/V go to the right slots",
@@ -20,7 +21,9 @@ PITFALLS = {
     "block_shared": Pitfall(
         says="blocks handed out stay on the free list (freed while still in use), so a second live sequence is "
              "given the same block and overwrites the first one's K/V",
-        edits=(("        del self._free[:need]\n", ""),)),
+        edits=(("        del self._free[:need]\n", ""),),
+        # Two live sequences then write the same slots in one L1 launch: on a GPU in no fixed order.
+        races=True),
     "kv_prev_slot": Pitfall(
         says="K/V are written one slot early, into the previous token's slot (slot - 1)",
         edits=(("slots.append(blocks.slot_mapping(req.id, list(pos)))",

@@ -12,17 +12,17 @@ LOGIT_TOLERANCE = 1e-3
 def reference_tokens(model, prompt, max_new):
     """What the contract asks for: model.generate's new tokens, greedy, batch of one."""
     with torch.no_grad():
-        out = model.generate(torch.tensor([prompt]), max_new_tokens=max_new, do_sample=False,
-                             attention_mask=torch.ones(1, len(prompt), dtype=torch.long))
+        out = model.generate(torch.tensor([prompt], device=model.device), max_new_tokens=max_new, do_sample=False,
+                             attention_mask=torch.ones(1, len(prompt), dtype=torch.long, device=model.device))
     return out[0, len(prompt):].tolist()
 
 
 def model_logits(model, prompt, new):
     """The model's own logits (float64) for each of `new`, teacher-forced along prompt + new:
     row j is the distribution new[j] was chosen from."""
-    ids = torch.tensor([list(prompt) + list(new)])
+    ids = torch.tensor([list(prompt) + list(new)], device=model.device)
     with torch.no_grad():
-        logits = model(ids).logits[0].double()
+        logits = model(ids).logits[0].double().cpu()
     return logits[len(prompt) - 1:len(prompt) - 1 + len(new)]
 
 
