@@ -27,7 +27,7 @@ FORMATS = {  # dtype: (largest finite value, mantissa bits, exponent bias)
 CPU_NUM_SPLITS = 4   # num_splits=None on the CPU: small, but enough to exercise the merge
 PROGRAMS_PER_SM = 4  # num_splits=None on a GPU aims at this many phase-1 programs per SM ...
 MAX_SPLITS = 32      # ... with at most this many splits
-NUM_WARPS, NUM_STAGES = 4, 3  # phase 1's launch, as L4's
+NUM_WARPS, NUM_STAGES = 2, 1  # phase 1's launch: the fastest tried on an H200 (BENCHMARKS.md)
 
 
 @triton.jit
@@ -53,23 +53,24 @@ def _fp8_bits(y, MANT: tl.constexpr, BIAS: tl.constexpr):
 def reshape_and_cache_fp8_kernel(
     key_ptr, value_ptr, k_cache_ptr, v_cache_ptr, slot_mapping_ptr, k_scale_ptr, v_scale_ptr,
     key_stride, value_stride,    # elements from one token's row to the next
-    HD,                          # num_kv_heads * head_size: one slot's length
-    HEAD_SIZE: tl.constexpr,     # D: column c of a slot belongs to KV head c // D
+    NUM_HEADS: tl.constexpr, HEAD_SIZE: tl.constexpr,
+    H_PAD: tl.constexpr, D_PAD: tl.constexpr,  # H and D rounded up to powers of two
     SCALE_STRIDE: tl.constexpr,  # 0: one scale for the tensor ([1]); 1: one per KV head ([H_kv])
     FP8_MAX: tl.constexpr, MANT: tl.constexpr, BIAS: tl.constexpr,  # the cache's format (FORMATS)
     INT_ENCODE: tl.constexpr,    # interpreter: see _INTERPRET above
-    BLOCK: tl.constexpr,         # next power of two >= HD
 ):
-    """One program per token: quantise its H*D key and value values into its slot.
+    """One program per token: quantise its [H, D] key and value values into its slot.
 
     Like L1's kernel (int64 offsets; slot -1 reads and writes nothing), but each value
     x is stored as fp8(saturate(x / scale)): the quotient in fp32, correctly rounded
     (tl.math.div_rn), clamped to +-FP8_MAX, then converted with round-to-nearest-even.
-    With INT_ENCODE the cache pointers are uint8 views: store _fp8_bits(...) there.
+    Read the token as a tile [H_PAD, D_PAD] (masked to [H, D]): row h is KV head h, so
+    its scale is one load per row. With INT_ENCODE the cache pointers are uint8 views:
+    store _fp8_bits(...) there.
     """
-    # TODO(l5): L1's kernel, with each column's scale loaded (its head is col // D,
-    # stride SCALE_STRIDE), the quotient rounded correctly, saturated, and stored as
-    # fp8 (natively, or as _fp8_bits under INT_ENCODE) (content/l5.md §4, §5).
+    # TODO(l5): L1's kernel over an [H, D] tile, each row's scale loaded (stride
+    # SCALE_STRIDE), the quotient rounded correctly, saturated, and stored as fp8
+    # (natively, or as _fp8_bits under INT_ENCODE) (content/l5.md §4, §5).
     raise NotImplementedError("reshape_and_cache_fp8_kernel is not written yet: see content/l5.md §5")
 
 
