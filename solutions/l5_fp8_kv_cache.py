@@ -69,8 +69,9 @@ def _divide(x, scale, EXACT: tl.constexpr):
 @triton.jit
 def _quantise_store(ptr, x, scale, mask, FP8_MAX: tl.constexpr, MANT: tl.constexpr, BIAS: tl.constexpr,
                     INT_ENCODE: tl.constexpr):
-    # In fp32, correctly rounded: Triton's `/` is not (it flips a few fp8 roundings
-    # per million), and x / scale in x's own 16-bit dtype would round twice.
+    # In fp32, correctly rounded: Triton's `/` is not (on an H200 it flipped the fp8
+    # rounding of 2 in 5 million fp32 values), and x / scale in x's own 16-bit dtype
+    # would round twice.
     q = _divide(x.to(tl.float32), scale, INT_ENCODE)
     q = tl.minimum(tl.maximum(q, -FP8_MAX), FP8_MAX)  # saturate: never NaN or inf in the cache
     if INT_ENCODE:
