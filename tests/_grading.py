@@ -11,7 +11,8 @@ tests/test_wrong.py grades the planted bugs through it.
 - A pitfall is named only on evidence (tests/_diagnose.py): the simplest failing
   case is explained first (the page's worked example, then fixed cases, then
   hypothesis's), and a crash names the pitfall of the test it happened in only
-  when every crash of the run happened in a test marked with that pitfall.
+  when every crash of the run, and every other failure too, happened in a test
+  marked with that pitfall.
 """
 import os
 import secrets
@@ -157,9 +158,13 @@ def _evidence(drill, ordered):
     # evidence contradicts itself, so it is no evidence.
     named = [p for p in named if all(p in (r.get("pitfalls") or ()) or p in (r.get("undecided") or ())
                                      for r in ordered if p in (r.get("pitfall_test") or ()) and not r.get("example"))]
+    # A crash in a test marked with a crashing pitfall is evidence for it, when every crash
+    # happened in such a test and every failure that ran to the end did too: a mistake
+    # that shows itself elsewhere (values written past out, say) is that story, and a
+    # write far enough past a buffer can crash a test marked with another pitfall.
     crashes = [r for r in ordered if r.get("kind") in ("crash", "timeout")]
     if crashes and not named:
-        common = set.intersection(*(set(r.get("pitfall_test") or ()) for r in crashes))
+        common = set.intersection(*(set(r.get("pitfall_test") or ()) for r in ordered))
         named = sorted(p for p in common if drill.pitfalls.get(p) and drill.pitfalls[p].crashes)
     return named
 

@@ -196,3 +196,16 @@ def _alive(pid):
         return open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()[0] != "Z"
     except OSError:
         return False
+
+
+def test_a_crash_names_its_pitfall_only_when_every_failure_agrees():
+    """A crash in a test marked with a crashing pitfall names it when every failure of the
+    run is in a test marked with it; a mistake that also fails an unmarked test (values
+    written past out, say, which may crash the large-cache test too) names nothing."""
+    l2 = BY_ID["l2"]
+    crash = dict(name="test_large_cache[x]", kind="crash", pitfall_test=["int32_offsets"])
+    marked = dict(name="test_other_marked[x]", kind="mismatch", pitfall_test=["int32_offsets"])
+    unmarked = dict(name="test_plain[x]", kind="mismatch", pitfall_test=[])
+    assert _grading._evidence(l2, [crash]) == ["int32_offsets"]
+    assert _grading._evidence(l2, [marked, crash]) == ["int32_offsets"]
+    assert _grading._evidence(l2, [unmarked, crash]) == []
