@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import _env
-from _pages import section
+from _pages import section, self_test
 from _traffic import check_page_line
 from _tree import load_drill
 
@@ -66,14 +66,8 @@ def check_bench_bytes_and_flops(text):
     assert intensity == pytest.approx(flops / total, abs=0.05)
 
 
-def _self_test(text, n):
-    start = text.index(f"**自测 {n}**")
-    end = text.find("**自测", start + 5)
-    return text[start:end if end > 0 else text.index("## 11.")]
-
-
 def check_self_test_online_update(text):
-    q = _self_test(text, 1)
+    q = self_test(text, 1)
     m, l, acc = map(int, re.search(r"m = (\d+)、l = (\d+)、acc = (\d+)", q).groups())
     base, value = map(int, re.search(r"分数是 (\d+) \+ ln 2，值是 (\d+)", q).groups())
     l_new, acc_new = map(int, re.search(r"l = [^=]*= (\d+)，acc = [^=]*= (\d+)", q).groups())
@@ -88,7 +82,7 @@ def check_self_test_online_update(text):
 
 
 def check_self_test_small_batch_bytes(text):
-    q = _self_test(text, 2)
+    q = self_test(text, 2)
     kv = int(re.search(r"K/V：[^=]*= (\d+) 字节", q).group(1))
     total = int(re.search(r"合计 (\d+) 字节", q).group(1))
     flops = int(re.search(r"FLOPs = [^=]*= (\d+)", q).group(1))
@@ -98,7 +92,7 @@ def check_self_test_small_batch_bytes(text):
 
 
 def check_self_test_block_table_columns(text):
-    q = _self_test(text, 3)
+    q = self_test(text, 3)
     block_size, seq_len, width = map(int, re.search(r"block_size = (\d+)，某条序列 seq_len = (\d+)，.*?一行有 (\d+) 列",
                                                     q).groups())
     columns = [int(c) for c in re.search(r"只读第 ([\d、]+) 列", q).group(1).split("、")]
@@ -109,7 +103,7 @@ def check_self_test_block_table_columns(text):
 
 
 def check_self_test_gqa_mapping(text):
-    q = _self_test(text, 4)
+    q = self_test(text, 4)
     num_heads, num_kv_heads = map(int, re.search(r"H_q = (\d+)、H_kv = (\d+)", q).groups())
     head, its_kv = map(int, re.search(r"query head (\d+) 读 KV head \d+ // \d+ = (\d+)", q).group(1, 2))
     kv, heads = re.search(r"KV head (\d+) 的 program 负责 query head ([\d、]+)", q).groups()
@@ -124,7 +118,7 @@ def check_self_test_gqa_mapping(text):
 
 
 def check_self_test_small_batch_grid(text):
-    q = _self_test(text, 6)
+    q = self_test(text, 6)
     programs, idle = map(int, re.search(r"= (\d+) 个 program，至少 \d+ − \d+ = (\d+) 个 SM", q).groups())
     params = next(c.params for c in BENCH if c.params["num_seqs"] == 8)
     assert programs == params["num_seqs"] * params["num_kv_heads"] and idle == 132 - programs
@@ -133,7 +127,7 @@ def check_self_test_small_batch_grid(text):
 def check_self_test_split_lse(text):
     """Self-test 7: the lse of each half of §3's example, and their merge, which is the whole row's."""
     ex = DECODE_EXAMPLE
-    q = _self_test(text, 7)
+    q = self_test(text, 7)
     halves = re.findall(r"m = (\d+)、l = ([\d.]+)，lse = \d+ \+ ln [\d.]+ ≈ ([\d.]+)", q)
     merged = float(re.search(r"合并：ln\(e\^[\d.]+ \+ e\^[\d.]+\) ≈ ([\d.]+)", q).group(1))
     bs = ex["block_size"]

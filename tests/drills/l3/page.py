@@ -3,6 +3,7 @@ import re
 
 import torch
 
+from _pages import section, self_test
 from _traffic import check_page_line
 
 from .bench import BENCH
@@ -10,23 +11,11 @@ from .cases import PREFILL_EXAMPLE, example_case, example_outputs
 from .traffic import TRAFFIC_CASE, traffic
 
 
-def _section(text, n):
-    start = text.index(f"## {n}. ")
-    end = text.find("\n## ", start + 4)
-    return text[start:end if end > 0 else len(text)]
-
-
-def _self_test(text, n):
-    start = text.index(f"**自测 {n}**")
-    end = text.find("**自测", start + 5)
-    return text[start:end if end > 0 else text.index("\n## ", start)]
-
-
 def check_worked_example(text):
     """§3: the example's layout, the mask table and the three outputs (right, no offset,
     prefix ignored), against PREFILL_EXAMPLE and the reference."""
     ex = PREFILL_EXAMPLE
-    sec = _section(text, 3)
+    sec = section(text, 3)
     assert eval(re.search(r"`block_table = (\[\[[\d, ]+\]\])`", sec).group(1)) == ex["block_table"]
     assert int(re.search(r"block_size = (\d+)", sec).group(1)) == ex["block_size"]
     assert [int(x) for x in re.search(r"seq_len = (\d+)，q_len = (\d+)", sec).groups()] == [ex["seq_len"], ex["q_len"]]
@@ -47,7 +36,7 @@ def check_worked_example(text):
 
 def check_bench_flops_and_bytes(text):
     """§2: the FLOPs and bytes of the 4x2048 prefill and the decode step, and their ratios."""
-    sec = _section(text, 2)
+    sec = section(text, 2)
     prefill, _, decode = BENCH
     flops = int(re.search(r"预填充的 FLOPs = [^\n]*?= (\d{6,})", sec).group(1))
     nbytes = int(re.search(r"预填充至少搬 [^\n]*?= (\d{6,}) 字节", sec).group(1))
@@ -62,7 +51,7 @@ def check_bench_flops_and_bytes(text):
 
 def check_self_test_positions(text):
     """Self-test 1: the positions of a chunk's queries and what each sees."""
-    q = _self_test(text, 1)
+    q = self_test(text, 1)
     seq_len, q_len = map(int, re.search(r"seq_len = (\d+)、q_len = (\d+)", q).groups())
     first, last = map(int, re.search(r"第一个查询在位置 (\d+)，最后一个在位置 (\d+)", q).groups())
     assert first == seq_len - q_len and last == seq_len - 1
@@ -72,7 +61,7 @@ def check_self_test_positions(text):
 
 def check_self_test_grid(text):
     """Self-test 2: the grid's upper bound and which query blocks each sequence owns."""
-    q = _self_test(text, 2)
+    q = self_test(text, 2)
     lens = [int(x) for x in re.search(r"q_len 依次是 ([\d、]+)", q).group(1).split("、")]
     block_q = int(re.search(r"BLOCK_Q = (\d+)", q).group(1))
     bound = int(re.search(r"上界 = [^=]*= (\d+)", q).group(1))
@@ -86,7 +75,7 @@ def check_self_test_grid(text):
 
 def check_self_test_rows(text):
     """Self-test 3: which query and head tile row r holds."""
-    q = _self_test(text, 3)
+    q = self_test(text, 3)
     group, block_q, row = map(int, re.search(r"group = (\d+)、BLOCK_Q = (\d+).*?第 (\d+) 行", q, re.S).groups())
     i, head_in_group = map(int, re.search(r"查询 first \+ (\d+)、组内第 (\d+) 个 head", q).groups())
     assert (i, head_in_group) == (row // group, row % group)
@@ -96,7 +85,7 @@ def check_self_test_rows(text):
 
 def check_self_test_tiles(text):
     """Self-test 4: the diagonal and mask-free tiles of one query block."""
-    q = _self_test(text, 4)
+    q = self_test(text, 4)
     context, first, block_q, tile, seq_len = map(int, re.search(
         r"context_len = (\d+)、first = (\d+)、BLOCK_Q = (\d+)、TILE = (\d+)、seq_len = (\d+)", q).groups())
     num_full = int(re.search(r"num_full = [^=]*= (\d+)", q).group(1))
@@ -141,7 +130,7 @@ def check_block_words(text):
 def check_upstream_reasons(text):
     """§2 gives the reason for chunking (Sarathi-Serve's token budget, decodes ride along) and
     §3 says that SDPA's is_causal=True is aligned top-left, i.e. causal_offset_missing."""
-    s2, s3 = _section(text, 2), _section(text, 3)
+    s2, s3 = section(text, 2), section(text, 3)
     assert "Sarathi-Serve" in s2 and "token 预算" in s2 and "decode" in s2
     assert "is_causal=True" in s3 and "causal_lower_right" in s3 and "pitfall:causal_offset_missing" in s3
 

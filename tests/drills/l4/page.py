@@ -7,6 +7,7 @@ import re
 import torch
 
 import _env
+from _pages import section
 from _traffic import check_page_line
 from _tree import load_drill
 from _wrong import folder, plant_edits
@@ -130,7 +131,7 @@ def check_fa2_heuristic(text):
 def check_contract_on_this_page(text):
     """§1 and §6 state the contract and the input checks themselves, not by pointing at L2;
     §5.2 says the merge serves cascade (shared-prefix) attention."""
-    s1, s6 = _section(text, 1), _section(text, 6)
+    s1, s6 = section(text, 1), section(text, 6)
     assert "完全一样" not in s1 + s6, "content/l4.md should state L2's contract, not point at it"
     for needle in ("[B, H_q, D]", "[num_blocks, block_size, H_kv, D]", "h // group", "[B, max_blocks]",
                    "int32 或 int64", "float16、bfloat16 或 float32", "`scale=None`"):
@@ -139,12 +140,6 @@ def check_contract_on_this_page(text):
                    "max_blocks · block_size", "[0, num_blocks)"):
         assert needle in s6, f"content/l4.md §6 should list {needle}"
     assert "cascade" in text[text.index("### 5.2"):text.index("### 5.3")]
-
-
-def _section(text, n):
-    start = text.index(f"## {n}. ")
-    end = text.find("\n## ", start + 4)
-    return text[start:end if end > 0 else len(text)]
 
 
 # ---------------------------------------------------------------------------

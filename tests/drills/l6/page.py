@@ -4,6 +4,7 @@ import re
 
 import torch
 
+from _pages import section, self_test
 from _traffic import check_page_line
 from _tree import ROOT
 
@@ -13,22 +14,10 @@ from .reference import prefix_len_rule
 from .traffic import TRAFFIC_CASE, traffic
 
 
-def _section(text, n):
-    start = text.index(f"## {n}. ")
-    end = text.find("\n## ", start + 4)
-    return text[start:end if end > 0 else len(text)]
-
-
-def _self_test(text, n):
-    start = text.index(f"**自测 {n}**")
-    end = text.find("**自测", start + 5)
-    return text[start:end if end > 0 else text.index("\n## ", start)]
-
-
 def check_worked_example(text):
     """§3: vLLM's two requests, the prefix for block sizes 1 and 2 (capped and not), the
     outputs, the merge of request 1's D and the uncapped D."""
-    sec = _section(text, 3)
+    sec = section(text, 3)
     for bs, capped, uncapped in ((1, 3, 5), (2, 2, 4)):
         case = example_case(bs)
         args = (example_tables(bs)[0], case.query_start_loc, case.seq_lens, bs)
@@ -52,7 +41,7 @@ def check_worked_example(text):
 
 def check_bytes_and_flops(text):
     """§2: the target case's bytes with and without cascade, their ratio, pass 1's FLOPs."""
-    sec = _section(text, 2)
+    sec = section(text, 2)
     target = BENCH[0].params
     assert (target["num_seqs"], target["prefix"], target["suffix"]) == (64, 4096, 256)
     assert f"合计 {cascade_bytes(**target)} 字节" in sec
@@ -64,7 +53,7 @@ def check_bytes_and_flops(text):
 
 def check_vllm_model(text):
     """§5: vLLM's use_cascade_attention wave model on the target shape (132 SMs)."""
-    sec = _section(text, 5)
+    sec = section(text, 5)
     sms, tile, b, h, h_kv, prefix = 132, 128, 64, 32, 8, 4096
     tiles = -(-prefix // tile)
     cascade = -(-(h * -(-b // tile)) // sms) * tiles
@@ -76,9 +65,9 @@ def check_vllm_model(text):
 def check_crossover_table(text):
     """§5's table is BENCHMARKS.md's L6 crossover table, cell by cell; before the GPU run
     every cell reads 待测."""
-    rows = re.findall(r"^\| (\d+) \| (.*) \|$", _section(text, 5), re.M)
+    rows = re.findall(r"^\| (\d+) \| (.*) \|$", section(text, 5), re.M)
     assert [int(b) for b, _ in rows] == list(CROSSOVER_BATCHES)
-    header = re.search(r"^\| B \\ prefix \| (.*) \|$", _section(text, 5), re.M).group(1)
+    header = re.search(r"^\| B \\ prefix \| (.*) \|$", section(text, 5), re.M).group(1)
     assert [int(p) for p in header.split(" | ")] == list(CROSSOVER_PREFIXES)
     bench = (ROOT / "BENCHMARKS.md").read_text()
     start = bench.find("## L6")
@@ -90,25 +79,25 @@ def check_crossover_table(text):
         pays = {int(b): next((p for p, c in zip(CROSSOVER_PREFIXES, cells.split(" | ")) if float(c[:-1]) > 1), None)
                 for b, cells in rows}
         said = "B = 8 时 4096，B = 16 和 32 时 2048，B = 64 时 1024，B = 128 时 512；B ≤ 4 时没有一格划算"
-        assert said in _section(text, 5)
+        assert said in section(text, 5)
         assert pays == {1: None, 2: None, 4: None, 8: 4096, 16: 2048, 32: 2048, 64: 1024, 128: 512}
     else:
         assert all(cell == "待测" for _, cells in rows for cell in cells.split(" | "))
 
 
 def check_self_tests(text):
-    q = _self_test(text, 1)
+    q = self_test(text, 1)
     table = torch.tensor([[7] * 6 + [1], [7] * 6 + [1], [7] * 6 + [2]])
     starts, lens = torch.tensor([0, 1, 2, 42]), torch.tensor([200, 180, 120])
     assert "返回 80" in q and prefix_len_rule(table, starts, lens, 16) == 80
-    q = _self_test(text, 2)
+    q = self_test(text, 2)
     assert f"≈ {1 / (1 + math.exp(-2)):.4f}" in q and f"≈ {math.exp(1) / (math.exp(3) + math.exp(1)):.4f}" in q
-    q = _self_test(text, 3)
+    q = self_test(text, 3)
     params = dict(num_seqs=128, prefix=8192, suffix=256, num_heads=32, num_kv_heads=8, head_size=128,
                   dtype="float16")
     kv = cascade_bytes(**params) - 2 * 128 * 32 * 128 * 2
     assert f"合计 {kv} 字节" in q and f"约 {128 * 8448 * 4096 / kv:.1f} 倍" in q
-    q = _self_test(text, 4)
+    q = self_test(text, 4)
     blocks = -(-64 // (128 // 4))
     want = -(-(2 * 132) // (8 * blocks))
     assert f"= {blocks} 个行块" in q and f"= {want}" in q and f"取 {min(want, 4096 // 256)}" in q
