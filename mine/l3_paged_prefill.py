@@ -22,6 +22,7 @@ def paged_prefill_kernel(
     out_ptr, query_ptr, k_cache_ptr, v_cache_ptr, block_table_ptr, query_start_loc_ptr, seq_lens_ptr,
     scale_log2,                # scale * log2(e): scores in base 2, so exp2 is exact softmax
     num_seqs,
+    short_q_len,               # chunks of at most this many queries belong to the other launch (0: none)
     query_stride, out_stride,  # elements from one token's [H_q, D] row to the next
     table_stride,              # elements from one block-table row to the next
     NUM_KV_HEADS,
@@ -33,19 +34,23 @@ def paged_prefill_kernel(
     BLOCK_M: tl.constexpr,     # tile rows: BLOCK_Q * GROUP rounded up to a power of two
     TILE: tl.constexpr,        # keys per iteration
     UPCAST: tl.constexpr,      # interpreter + bfloat16: see _INTERPRET above
+    SHORT: tl.constexpr,       # the launch for short chunks (decode rows): one program per sequence
 ):
     """One program per (KV head, query block): BLOCK_Q queries of one sequence's chunk,
     times the GROUP query heads of that KV head, as the BLOCK_M rows of one tile.
 
-    Find the program's sequence from query_start_loc (sequence b's query blocks are
-    numbered from query_start_loc[b] // BLOCK_Q + b on; spare programs return).
+    Two launches share this kernel (content/l3.md §4). SHORT: program b takes sequence
+    b's whole chunk if it holds 1..BLOCK_Q queries, and returns otherwise. Not SHORT:
+    find the program's sequence from query_start_loc (sequence b's query blocks are
+    numbered from query_start_loc[b] // BLOCK_Q + b on); spare programs, and chunks of
+    at most short_q_len queries (the short launch's), return.
     Query i of a chunk sits at position seq_len - q_len + i and sees keys 0..its
     position (bottom-right causal). Gather K/V TILE keys at a time through the
     block table, never reading a block-table entry past the sequence's last block;
     keep an fp32 online softmax per row that never turns a row with no visible key
     into NaN; store only the live rows.
     """
-    # TODO(l3): the program's KV head, query block and sequence (content/l3.md §4);
+    # TODO(l3): the program's KV head, sequence and first query, for each launch (content/l3.md §4);
     # the tile's rows, their positions and the q tile (§4, §5); then the loop over
     # key tiles: block-table gather, scores with tl.dot, the causal mask, the
     # online-softmax update (§5); last, acc / l stored for the live rows only.
@@ -70,7 +75,7 @@ def paged_prefill_attention(query, k_cache, v_cache, block_table, query_start_lo
     non-decreasing, q_len > seq_len, seq_lens past the block table, blocks outside
     the cache.
     """
-    # TODO(l3): check the inputs (content/l3.md §6), allocate out if needed, pick
-    # BLOCK_Q from the group, and launch a grid of (H_kv, total_q // BLOCK_Q + B)
-    # programs (§4, §6).
+    # TODO(l3): check the inputs (content/l3.md §6), allocate out if needed, then
+    # launch the kernel twice (§4, §6): tall tiles over a grid of (H_kv, total_q //
+    # BLOCK_Q + B) programs, and short tiles over (H_kv, B), SHORT=True.
     raise NotImplementedError("paged_prefill_attention is not written yet: see content/l3.md §4 and §6")

@@ -40,6 +40,7 @@ def paged_prefill_kernel(
     out_ptr, query_ptr, k_cache_ptr, v_cache_ptr, block_table_ptr, query_start_loc_ptr, seq_lens_ptr,
     scale_log2,                # scale * log2(e): scores in base 2, so exp2 is exact softmax
     num_seqs,
+    short_q_len,               # chunks of at most this many queries belong to the other launch (0: none)
     query_stride, out_stride,  # elements from one token's [H_q, D] row to the next
     table_stride,              # elements from one block-table row to the next
     NUM_KV_HEADS,
@@ -51,18 +52,28 @@ def paged_prefill_kernel(
     BLOCK_M: tl.constexpr,     # tile rows: BLOCK_Q * GROUP rounded up to a power of two
     TILE: tl.constexpr,        # keys per iteration
     UPCAST: tl.constexpr,      # interpreter + bfloat16: see _INTERPRET above
+    SHORT: tl.constexpr,       # the launch for short chunks (decode rows): one program per sequence
 ):
-    # Which KV head, which query block, which sequence. Blocks are taken last
-    # first: under the causal mask a chunk's last block sees the most keys, so
-    # starting the long programs first leaves short ones to fill the tail.
     kv_head = tl.program_id(0).to(tl.int64)
-    q_block = tl.num_programs(1) - 1 - tl.program_id(1)
-    seq = _find_seq(query_start_loc_ptr, q_block, num_seqs, BLOCK_Q)
-    q_start = tl.load(query_start_loc_ptr + seq)
-    q_len = tl.load(query_start_loc_ptr + seq + 1) - q_start
-    first = (q_block - q_start // BLOCK_Q - seq) * BLOCK_Q  # this block's first query, counted in its chunk
-    if first >= q_len:
-        return  # a spare program of the upper-bound grid
+    if SHORT:
+        # Program b takes sequence b's chunk whole, if it fits in one block of BLOCK_Q.
+        seq = tl.program_id(1)
+        q_start = tl.load(query_start_loc_ptr + seq)
+        q_len = tl.load(query_start_loc_ptr + seq + 1) - q_start
+        first = 0
+        if (q_len == 0) | (q_len > BLOCK_Q):
+            return  # nothing to do, or a long chunk: the other launch's
+    else:
+        # Which query block, which sequence. Blocks are taken last first: under the
+        # causal mask a chunk's last block sees the most keys, so starting the long
+        # programs first leaves short ones to fill the tail.
+        q_block = tl.num_programs(1) - 1 - tl.program_id(1)
+        seq = _find_seq(query_start_loc_ptr, q_block, num_seqs, BLOCK_Q)
+        q_start = tl.load(query_start_loc_ptr + seq)
+        q_len = tl.load(query_start_loc_ptr + seq + 1) - q_start
+        first = (q_block - q_start // BLOCK_Q - seq) * BLOCK_Q  # this block's first query, counted in its chunk
+        if (first >= q_len) | (q_len <= short_q_len):
+            return  # a spare program of the upper-bound grid, or a short chunk: the other launch's
     seq_len = tl.load(seq_lens_ptr + seq)
     context_len = seq_len - q_len  # tokens cached before this chunk: query i sits at context_len + i
 
@@ -156,39 +167,42 @@ def paged_prefill_attention(query, k_cache, v_cache, block_table, query_start_lo
         out = torch.empty_like(query, memory_format=torch.contiguous_format)
     if total_q == 0 or num_seqs == 0:
         return out
-    block_m, tile, num_warps, num_stages = _tile_config(query, total_q / num_seqs, group, head_size)
-    block_q = block_m // group
-    # Sequence b's query blocks start at query_start_loc[b] // block_q + b: at most
-    # total_q // block_q + num_seqs blocks in all, an upper bound that needs no
-    # look at query_start_loc's values (on a GPU that would cost a sync).
-    grid = (num_kv_heads, total_q // block_q + num_seqs)
-    paged_prefill_kernel[grid](
-        out, query, k_cache, v_cache, block_table, query_start_loc, seq_lens,
-        scale * LOG2E, num_seqs, query.stride(0), out.stride(0), block_table.stride(0), num_kv_heads,
-        BLOCK_SIZE=block_size, HEAD_SIZE=head_size, D_PAD=max(16, triton.next_power_of_2(head_size)),
-        GROUP=group, BLOCK_Q=block_q, BLOCK_M=block_m, TILE=tile,
-        UPCAST=_INTERPRET and query.dtype == torch.bfloat16,
-        num_warps=num_warps, num_stages=num_stages,
-    )
+    # Two launches, one per kind of chunk (content/l3.md §4): short chunks (decode
+    # rows) fill one short tile each, long ones are cut into tall tiles. Neither
+    # launch reads the chunk lengths on the host (on a GPU that would cost a sync):
+    # every program looks at its own chunk and returns if it is the other launch's.
+    short, tall = _tile_configs(query, group, head_size)
+    short_q = short[0] // group
+    for (block_m, tile, num_warps, num_stages), is_short in ((tall, False), (short, True)):
+        block_q = block_m // group
+        # The short launch: one program per sequence. The tall one: sequence b's query
+        # blocks start at query_start_loc[b] // block_q + b, so total_q // block_q +
+        # num_seqs programs cover every chunk, whatever its length.
+        grid = (num_kv_heads, num_seqs if is_short else total_q // block_q + num_seqs)
+        paged_prefill_kernel[grid](
+            out, query, k_cache, v_cache, block_table, query_start_loc, seq_lens,
+            scale * LOG2E, num_seqs, short_q, query.stride(0), out.stride(0), block_table.stride(0), num_kv_heads,
+            BLOCK_SIZE=block_size, HEAD_SIZE=head_size, D_PAD=max(16, triton.next_power_of_2(head_size)),
+            GROUP=group, BLOCK_Q=block_q, BLOCK_M=block_m, TILE=tile,
+            UPCAST=_INTERPRET and query.dtype == torch.bfloat16, SHORT=is_short,
+            num_warps=num_warps, num_stages=num_stages,
+        )
     return out
 
 
-def _tile_config(query, mean_q_len, group, head_size):
-    """(BLOCK_M, TILE, warps, stages). Any choice gives the same answer; these are for speed.
+def _tile_configs(query, group, head_size):
+    """(BLOCK_M, TILE, warps, stages) of the short launch and of the tall one. Any
+    choice gives the same answer; these are for speed (BENCHMARKS.md, H200).
 
-    Prefill is compute-bound: 128 rows (e.g. 32 positions x 4 heads) share each
-    K/V tile. Decode rows bring one position each, so a tall tile would be mostly
-    padding: batches of short chunks get 16 rows, as in vLLM and L2.
+    A decode row brings one query, times the group's heads: a tall tile would be
+    mostly padding, so short chunks get 16 rows (as in L2 and vLLM). Prefill is
+    compute-bound: 128 rows (e.g. 32 positions x 4 heads) share each K/V tile.
     """
     rows = max(16, triton.next_power_of_2(group))
     if query.device.type == "cpu":  # the interpreter: small tiles, few wasted rows
-        return rows, 16, 4, 1
-    if mean_q_len >= 16:
-        rows = max(rows, 128)
-    if rows >= 128:
-        return rows, 32, 8, 2  # the fastest of the tiles tried on an H200 (BENCHMARKS.md)
+        return (rows, 16, 4, 1), (rows, 16, 4, 1)
     d_pad = max(16, triton.next_power_of_2(head_size))
-    return rows, (64 if d_pad <= 128 else 32), 4, 2  # L2's decode tile
+    return (rows, 64 if d_pad <= 128 else 32, 4, 2), (max(rows, 128), 32, 8, 2)
 
 
 def _check_inputs(query, k_cache, v_cache, block_table, query_start_loc, seq_lens, out):

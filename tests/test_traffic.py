@@ -306,11 +306,11 @@ def test_the_grade_prints_the_references_line_beside_the_learners_and_says_what_
     assert result["reference"] == result["line"] and result["line"].startswith("L3  loads")
     assert abs(sum(result["shares"].values()) - 1) < 1e-9 and result["shares"]["lengths"] < 0.05
     assert "reference" not in _traffic.with_reference(L3, ROOT / "solutions", ROOT / "solutions")
-    learner = dict(result, line=result["line"].replace("lengths 7.71×", "lengths 4.29×"))
+    learner = dict(result, line=result["line"].replace("lengths 9.43×", "lengths 4.29×"))
     console = Console(record=True, width=300)
     _render._traffic_lines(console, dict(drills=[dict(id="l3", traffic=learner)]))
     text = console.export_text()
-    assert "lengths 4.29×" in text and "reference: loads 1.00× the fewest bytes (" in text and "lengths 7.71×" in text
+    assert "lengths 4.29×" in text and "reference: loads 1.00× the fewest bytes (" in text and "lengths 9.43×" in text
     assert "the total is set by K/V" in text and "lengths under 5% each, so their ratios barely move the total" in text
 
 

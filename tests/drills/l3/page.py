@@ -37,7 +37,7 @@ def check_worked_example(text):
 def check_bench_flops_and_bytes(text):
     """§2: the FLOPs and bytes of the 4x2048 prefill and the decode step, and their ratios."""
     sec = section(text, 2)
-    prefill, _, decode = BENCH
+    prefill, _, decode, _ = BENCH
     flops = int(re.search(r"预填充的 FLOPs = [^\n]*?= (\d{6,})", sec).group(1))
     nbytes = int(re.search(r"预填充至少搬 [^\n]*?= (\d{6,}) 字节", sec).group(1))
     assert flops == prefill.flops and nbytes == prefill.bytes
