@@ -54,6 +54,7 @@ def pytest_configure(config):
         config.addinivalue_line("markers", f"{d.id}: drill {d.id.upper()}, {d.title} (pytest -m {d.id})")
     config.addinivalue_line("markers", "meta: checks of the repository itself (stubs, pages, grader)")
     config.addinivalue_line("markers", "pitfall(name): the test exists to catch this pitfall of the drill's page")
+    config.addinivalue_line("markers", "mistake(name): the test exists to catch this other planted mistake of the drill")
     config.addinivalue_line("markers", "launches_nothing: the test's calls have nothing to do, so no kernel need run")
     import _report
     config.pluginmanager.register(_report, "drills-tracebacks")  # the learner's frames, not the machinery's
@@ -86,8 +87,9 @@ def pytest_collection_modifyitems(config, items):
     if not config.getoption("--drills-variants"):
         return
     # A planted pitfall runs against the tests marked with it and the page's worked
-    # example; any other planted mistake against the worked example and every test
-    # marked with any pitfall (the fixed cases that exist to catch mistakes).
+    # example; any other planted mistake against the worked example, every test marked
+    # with any pitfall (the fixed cases that exist to catch mistakes) and the tests
+    # marked with that mistake (a case only some machines need, such as a GPU's).
     keep, drop = [], []
     for item in items:
         callspec = getattr(item, "callspec", None)
@@ -98,7 +100,9 @@ def pytest_collection_modifyitems(config, items):
             drop.append(item)
             continue
         marked = {m.args[0] for m in item.iter_markers("pitfall")}
-        if (name not in drill.pitfalls and marked) or name in marked or "worked_example" in item.name:
+        for_mistake = {m.args[0] for m in item.iter_markers("mistake")}
+        if (name not in drill.pitfalls and marked) or name in marked or name in for_mistake \
+                or "worked_example" in item.name:
             keep.append(item)
         else:
             drop.append(item)

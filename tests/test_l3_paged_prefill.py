@@ -109,14 +109,16 @@ def test_gqa_head_mapping(drill, device, num_heads, num_kv_heads):
 # --- the rest of the contract ------------------------------------------------
 
 
+@pytest.mark.mistake("spare_group_rows_unmasked")
 @pytest.mark.skipif(_env.INTERPRET, reason="long chunks; under the interpreter the short ones above catch it")
 @pytest.mark.parametrize("num_heads,num_kv_heads", [(6, 2), (10, 2), (12, 2)], ids=["group3", "group5", "group6"])
 def test_spare_rows_of_tall_tiles_on_long_chunks(drill, device, num_heads, num_kv_heads):
     """With a group of 3, 5 or 6 a tile has rows past its BLOCK_Q * group live ones. The
     first of them is the next query block's first query: a kernel that stores it writes
     that query a second time, seeing one key too few. On a GPU the two writes race, so one
-    wrong block may well lose; chunks of hundreds of queries over long prefixes cut into
-    many blocks of about equal work, so some wrong write lands last."""
+    wrong block may well lose (measured on an H200: with this case, caught 1 time in 5 at
+    a group of 3, 5 in 5 at 5 and 6); chunks of hundreds of queries over long prefixes
+    cut into many blocks of about equal work, so some wrong write lands last."""
     run(drill, _case(device, [700, 300, 450], [1200, 900, 2000], num_heads=num_heads, num_kv_heads=num_kv_heads,
                      seed=29))
 
