@@ -109,6 +109,16 @@ def test_gqa_head_mapping(drill, device, num_heads, num_kv_heads):
 # --- the rest of the contract ------------------------------------------------
 
 
+@pytest.mark.parametrize("group", [1, 4], ids=["group1", "group4"])
+def test_every_chunk_length_from_1_to_17(drill, device, group):
+    """A kernel may hand chunks to different programs (or launches) by length, as the
+    reference hands chunks of up to 16 / group queries to short tiles: whatever the
+    threshold, every length on either side of it must be written once, and right."""
+    lengths = list(range(1, 18))
+    run(drill, _case(device, lengths, [(7 * n) % 23 for n in lengths], num_heads=2 * group, num_kv_heads=2,
+                     seed=31))
+
+
 @pytest.mark.mistake("spare_group_rows_unmasked")
 @pytest.mark.skipif(_env.INTERPRET, reason="long chunks; under the interpreter the short ones above catch it")
 @pytest.mark.parametrize("num_heads,num_kv_heads", [(6, 2), (10, 2), (12, 2)], ids=["group3", "group5", "group6"])
