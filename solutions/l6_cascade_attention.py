@@ -22,6 +22,7 @@ _INTERPRET = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 LOG2E = 1.4426950408889634  # log2(e): exp(x) = exp2(x * LOG2E)
 CPU_PREFIX_SPLITS = 2       # pass 1's chunks of the prefix under the interpreter
 MIN_SPLIT_KEYS = 256        # on a GPU, each chunk of the prefix holds at least this many keys
+_SIDE_STREAMS = {}          # per GPU: the stream pass 1 runs on, beside pass 2
 
 
 def cascade_prefix_len(block_table, query_start_loc, seq_lens, block_size):
@@ -258,27 +259,35 @@ def cascade_attention(query, k_cache, v_cache, block_table, query_start_loc, seq
 
     # Pass 1: the whole batch's tokens in blocks of block_q1, against the prefix cut
     # into num_splits chunks (a GPU needs enough programs; the batch alone is few).
-    num_splits, parts, lse = 0, out, out
+    # On a GPU it runs on a side stream: it keeps the tensor cores busy while pass 2
+    # keeps memory busy, so the two overlap instead of taking turns.
+    num_splits, parts, lse, side = 0, out, out, None
     if common_prefix_len > 0:
-        block_m1 = rows if on_cpu else max(rows, 128)
+        block_m1 = rows if on_cpu else max(rows, 64)
         block_q1 = block_m1 // group
         q_blocks = triton.cdiv(total_q, block_q1)
         if on_cpu:
             num_splits = CPU_PREFIX_SPLITS
         else:
             sms = torch.cuda.get_device_properties(query.device).multi_processor_count
-            want = triton.cdiv(2 * sms, num_kv_heads * q_blocks)
-            num_splits = max(1, min(want, common_prefix_len // MIN_SPLIT_KEYS))
+            fit = 2 * sms // (num_kv_heads * q_blocks)  # chunks that keep it to two programs an SM
+            prefix_bytes = common_prefix_len * num_kv_heads * head_size * 2 * query.element_size()
+            part_bytes = total_q * num_heads * head_size * 4  # what one more chunk writes (fp32)
+            num_splits = max(1, min(fit, common_prefix_len // MIN_SPLIT_KEYS, prefix_bytes // (4 * part_bytes)))
         tile1 = 16 if on_cpu else (64 if d_pad <= 128 else 32)
         chunk = triton.cdiv(triton.cdiv(common_prefix_len, num_splits), tile1) * tile1
         parts = torch.empty((total_q, num_heads, num_splits + 1, head_size), dtype=torch.float32,
                             device=query.device)
         lse = torch.empty((total_q, num_heads, num_splits + 1), dtype=torch.float32, device=query.device)
-        prefix_kernel[(num_kv_heads, q_blocks, num_splits)](
-            parts, lse, query, k_cache, v_cache, block_table, scale * LOG2E, total_q, common_prefix_len, chunk,
-            query.stride(0), num_heads, num_kv_heads, num_splits + 1,
-            BLOCK_Q=block_q1, BLOCK_M=block_m1, TILE=tile1, **common,
-            num_warps=4, num_stages=1 if on_cpu else 2)
+        if not on_cpu:
+            side = _side_stream(query.device)
+            side.wait_stream(torch.cuda.current_stream(query.device))  # after what was queued before us
+        with torch.cuda.stream(side):  # side None (the interpreter): a no-op, pass 1 stays put
+            prefix_kernel[(num_kv_heads, q_blocks, num_splits)](
+                parts, lse, query, k_cache, v_cache, block_table, scale * LOG2E, total_q, common_prefix_len, chunk,
+                query.stride(0), num_heads, num_kv_heads, num_splits + 1,
+                BLOCK_Q=block_q1, BLOCK_M=block_m1, TILE=tile1, **common,
+                num_warps=4, num_stages=1 if on_cpu else 2)
 
     # Pass 2: L3 over each sequence's own keys, prefix_len onwards.
     if on_cpu:
@@ -296,6 +305,8 @@ def cascade_attention(query, k_cache, v_cache, block_table, query_start_loc, seq
         num_warps=warps, num_stages=stages)
     if num_splits == 0:
         return out
+    if side is not None:
+        torch.cuda.current_stream(query.device).wait_stream(side)  # the merge reads pass 1's parts
 
     # Merge: the prefix's chunks and the suffix, by their log-sum-exps (L4).
     merge_states_kernel[(total_q, num_heads)](
@@ -303,6 +314,13 @@ def cascade_attention(query, k_cache, v_cache, block_table, query_start_loc, seq
         NUM_PARTS=num_splits + 1, PARTS_PAD=triton.next_power_of_2(num_splits + 1), HEAD_SIZE=head_size,
         D_PAD=triton.next_power_of_2(head_size))
     return out
+
+
+def _side_stream(device):
+    """One stream per GPU for pass 1, made once and reused."""
+    if device not in _SIDE_STREAMS:
+        _SIDE_STREAMS[device] = torch.cuda.Stream(device)
+    return _SIDE_STREAMS[device]
 
 
 def _check_inputs(query, k_cache, v_cache, block_table, query_start_loc, seq_lens, common_prefix_len, out):
