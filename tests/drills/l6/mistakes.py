@@ -38,10 +38,7 @@ PITFALLS = {
              "multiplies it by its weight 0: 0 · NaN = NaN",
         edits=(("v = acc / tl.where(l > 0, l, 1.0)[:, None]", "v = acc / l[:, None]"),
                ("    v = tl.where(w[:, None] > 0, v, 0.0)  # an empty part's v is never trusted: 0 * NaN = NaN\n",
-                "")),
-        # On a GPU the reference cuts the tests' short prefixes into whole chunks of at least
-        # MIN_SPLIT_KEYS keys, so no part is ever empty there: only the interpreter's two chunks are.
-        interpreter_only=True),
+                ""))),
 }
 
 # Other wrong kernels: the grade must fail each one and name no pitfall.
