@@ -142,6 +142,17 @@ def test_long_prefix_cut_into_chunks_on_a_gpu(drill, device):
                      head_size=64, seed=21))
 
 
+@pytest.mark.skipif(_env.INTERPRET, reason="streams are a GPU's: the interpreter runs the passes in order")
+def test_merge_waits_for_the_prefix_pass_on_a_gpu(drill, device):
+    """A kernel may run pass 1 on a stream of its own beside pass 2 (content/l6.md §4);
+    then the merge must wait for it. 8192 shared tokens against 1-3 own tokens a sequence
+    make pass 1 far longer than pass 2, so a merge that does not wait reads parts pass 1
+    has not written yet; three fresh batches, since such a race need not show every time."""
+    for seed in range(3):
+        run(drill, _case(device, [1] * 48, [8192 + seed + b % 3 for b in range(48)], 512, num_heads=32,
+                         num_kv_heads=8, head_size=128, block_size=16, seed=30 + seed))
+
+
 @pytest.mark.pitfall("prefix_per_sequence")
 def test_prefix_is_read_once_for_the_batch(drill, device):
     """pitfall:prefix_per_sequence: the right answer is not enough; pass 1 must load the
