@@ -145,7 +145,7 @@ def test_long_prefix_cut_into_chunks_on_a_gpu(drill, device):
 @pytest.mark.skipif(_env.INTERPRET, reason="streams are a GPU's: the interpreter runs the passes in order")
 def test_merge_waits_for_the_prefix_pass_on_a_gpu(drill, device):
     """A kernel may run pass 1 on a stream of its own beside pass 2 (content/l6.md §4);
-    then the merge must wait for it. 8192 shared tokens against 1-3 own tokens a sequence
+    then the merge must wait for it. 8192 shared tokens against 1-5 own tokens a sequence
     make pass 1 far longer than pass 2, so a merge that does not wait reads parts pass 1
     has not written yet; three fresh batches, since such a race need not show every time."""
     for seed in range(3):
