@@ -10,6 +10,7 @@ import os
 import torch
 import triton
 import triton.language as tl
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait  # for PDL, a GPU's (hint 6)
 
 # Triton's CPU interpreter computes tl.dot on bfloat16 wrongly (it multiplies the
 # raw bits; triton-lang/triton#11584), so there the kernels widen q, K and V to
@@ -43,6 +44,7 @@ def prefix_kernel(
     BLOCK_Q: tl.constexpr,     # query tokens per program, from any sequences
     BLOCK_M: tl.constexpr,     # tile rows: BLOCK_Q * GROUP rounded up to a power of two
     TILE: tl.constexpr, UPCAST: tl.constexpr,
+    PDL: tl.constexpr,         # launched ahead of pass 2 (programmatic dependent launch)
 ):
     """Pass 1: BLOCK_Q tokens of the whole batch (whatever their sequences) times the
     GROUP query heads of one KV head, against keys [split * chunk, ...) of the prefix.
@@ -52,8 +54,9 @@ def prefix_kernel(
     prefix's blocks are the first prefix_len // BLOCK_SIZE entries of block-table row 0
     (every row holds the same ones). No causal mask: every query sits past the prefix.
     Store this chunk's acc / l (0 for a row that saw no key, never NaN) as part `split`
-    of parts [total_q, H_q, NUM_PARTS, D] fp32, and its log-sum-exp in natural log
-    (-inf for no key) in lse [total_q, H_q, NUM_PARTS].
+    of parts [total_q, H_q, NUM_PARTS, D] fp32, and its log-sum-exp in base 2 (m +
+    log2(l); -inf for no key) in lse [total_q, H_q, NUM_PARTS]. PDL (only ever True on
+    a GPU, hint 6): call gdc_launch_dependents() first.
     """
     # TODO(l6): the rows and their q (content/l6.md §4); the chunk's keys through
     # block-table row 0, no causal mask; L3's online softmax; store part and lse.
@@ -68,33 +71,21 @@ def suffix_kernel(
     NUM_HEADS, NUM_KV_HEADS, NUM_PARTS,
     BLOCK_SIZE: tl.constexpr, HEAD_SIZE: tl.constexpr, D_PAD: tl.constexpr, GROUP: tl.constexpr,
     BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr, TILE: tl.constexpr, UPCAST: tl.constexpr,
-    DIRECT: tl.constexpr,      # no prefix: the suffix is the whole answer, written to out
+    PDL: tl.constexpr,         # launched while pass 1 runs: wait for it before reading its parts
 ):
     """Pass 2: L3's program (one KV head, one query block of one sequence) over keys
-    prefix_len .. position only: the keys before prefix_len are pass 1's.
+    prefix_len .. position only, then pass 1's NUM_PARTS parts folded in (the merge).
 
     L3's grid, search and causal mask (query i of a chunk sits at seq_len - q_len + i),
-    but every key loop starts at prefix_len. DIRECT: write acc / l to out; otherwise
-    store it as the last part (NUM_PARTS - 1) with its natural-log LSE, as pass 1 does.
+    but every key loop starts at prefix_len. Then the merge, L4's rule in online form:
+    each part p of pass 1 is one more "key" with score lse[.., p] (base 2) and value
+    parts[.., p, :]; an empty part (lse = -inf) weighs 0 and its v is never multiplied
+    in. NUM_PARTS = 0 (no prefix): nothing to fold. Write acc / l to out in out's
+    dtype. PDL (only ever True on a GPU, hint 6): gdc_wait() before the first part.
     """
-    # TODO(l6): L3's kernel (content/l3.md §4), its key loops starting at prefix_len
-    # (content/l6.md §4); the result to out (DIRECT) or as the last part.
+    # TODO(l6): L3's kernel (content/l3.md §4), its key loops starting at prefix_len;
+    # then fold pass 1's parts into m, l, acc (content/l6.md §4); store to out.
     raise NotImplementedError("suffix_kernel is not written yet: see content/l6.md §4")
-
-
-@triton.jit
-def merge_states_kernel(
-    out_ptr, parts_ptr, lse_ptr, out_stride, NUM_HEADS,
-    NUM_PARTS: tl.constexpr, PARTS_PAD: tl.constexpr, HEAD_SIZE: tl.constexpr, D_PAD: tl.constexpr,
-):
-    """L4's merge: one (token, query head), its NUM_PARTS parts weighted by exp(lse).
-
-    Grid (total_q, H_q). An empty part (lse = -inf) gets weight 0 and its v is never
-    multiplied in (it may be garbage); write the merged row to out in out's dtype.
-    """
-    # TODO(l6): L4's merge_states_kernel (content/l4.md §4), reading part p's v and
-    # its lse at the same index p (content/l6.md §4).
-    raise NotImplementedError("merge_states_kernel is not written yet: see content/l6.md §4")
 
 
 def cascade_attention(query, k_cache, v_cache, block_table, query_start_loc, seq_lens, common_prefix_len,
@@ -108,8 +99,9 @@ def cascade_attention(query, k_cache, v_cache, block_table, query_start_loc, seq
     context (seq_len - q_len) is shorter than; 0 means plain L3. Raise ValueError,
     naming the argument and the fix, for L3's bad inputs and, on the CPU, a prefix
     that is not a block multiple, longer than a cached context, or over columns not
-    shared by every row. Pass 1 (prefix_kernel), pass 2 (suffix_kernel), then the merge.
+    shared by every row. Pass 1 (prefix_kernel), then pass 2 (suffix_kernel), which
+    also merges.
     """
     # TODO(l6): check the inputs (content/l6.md §6); allocate out; with a prefix,
-    # fp32 parts and lse for num_splits + 1 parts and pass 1; pass 2; the merge (§4).
+    # fp32 parts and lse for num_splits parts and pass 1; then pass 2 (§4).
     raise NotImplementedError("cascade_attention is not written yet: see content/l6.md §4 and §6")

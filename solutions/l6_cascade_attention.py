@@ -14,6 +14,7 @@ import os
 import torch
 import triton
 import triton.language as tl
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 # Triton's CPU interpreter computes tl.dot on bfloat16 wrongly (it multiplies the
 # raw bits; triton-lang/triton#11584), so there the kernels widen q, K and V to
@@ -21,8 +22,8 @@ import triton.language as tl
 _INTERPRET = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 LOG2E = 1.4426950408889634  # log2(e): exp(x) = exp2(x * LOG2E)
 CPU_PREFIX_SPLITS = 2       # pass 1's chunks of the prefix under the interpreter
-MIN_SPLIT_KEYS = 256        # on a GPU, each chunk of the prefix holds at least this many keys
-_SIDE_STREAMS = {}          # per GPU: the stream pass 1 runs on, beside pass 2
+MIN_SPLIT_KEYS = 256        # on a GPU, each chunk of the prefix holds at least this many keys ...
+MAX_SPLITS = 8              # ... and there are at most this many (pass 2 folds them in one by one)
 
 
 def cascade_prefix_len(block_table, query_start_loc, seq_lens, block_size):
@@ -46,11 +47,10 @@ def cascade_prefix_len(block_table, query_start_loc, seq_lens, block_size):
 
 
 @triton.jit
-def _load_kv(k_cache_ptr, v_cache_ptr, table_row_ptr, key, key_live, kv_head, NUM_KV_HEADS, dims, dim_live,
+def _load_kv(k_cache_ptr, v_cache_ptr, block, key, key_live, kv_head, NUM_KV_HEADS, dims, dim_live,
              BLOCK_SIZE: tl.constexpr, HEAD_SIZE: tl.constexpr, UPCAST: tl.constexpr):
-    """K and V [TILE, D_PAD] of keys `key`, gathered through one block-table row;
-    masked keys read nothing (not even their block-table entry)."""
-    block = tl.load(table_row_ptr + key // BLOCK_SIZE, mask=key_live, other=0)
+    """K and V [TILE, D_PAD] of keys `key`, which sit in cache blocks `block` (their
+    block-table entries); masked keys read nothing."""
     slot = block.to(tl.int64) * BLOCK_SIZE + key % BLOCK_SIZE  # L1's slot, in int64
     offs = (slot * NUM_KV_HEADS + kv_head)[:, None] * HEAD_SIZE + dims[None, :]
     mask = key_live[:, None] & dim_live[None, :]
@@ -77,14 +77,13 @@ def _softmax_step(s, v, m, l, acc):
 @triton.jit
 def _store_part(parts_ptr, lse_ptr, token, heads, row_live, dims, dim_live, m, l, acc, part,
                 NUM_HEADS, NUM_PARTS, HEAD_SIZE: tl.constexpr):
-    """Row r's partial output acc / l and its natural-log LSE, as part `part` of
-    [total_q, H_q, NUM_PARTS, D] and [total_q, H_q, NUM_PARTS]. A row that saw no
-    key stores v = 0 and lse = -inf (log 0): an empty part, which the merge skips."""
+    """Row r's partial output acc / l and its LSE in base 2 (FlashInfer's base), as
+    part `part` of [total_q, H_q, NUM_PARTS, D] and [total_q, H_q, NUM_PARTS]. A row
+    that saw no key stores v = 0 and lse = -inf (log 0): an empty part, which the fold skips."""
     v = acc / tl.where(l > 0, l, 1.0)[:, None]
-    lse = (m + tl.log2(l)) * 0.6931471805599453  # base 2 -> natural log: times ln 2
     first = (token * NUM_HEADS + heads) * NUM_PARTS + part
     tl.store(parts_ptr + first[:, None] * HEAD_SIZE + dims[None, :], v, mask=row_live[:, None] & dim_live[None, :])
-    tl.store(lse_ptr + first, lse, mask=row_live)
+    tl.store(lse_ptr + first, m + tl.log2(l), mask=row_live)
 
 
 @triton.jit
@@ -97,9 +96,12 @@ def prefix_kernel(
     BLOCK_Q: tl.constexpr,     # query tokens per program, from any sequences
     BLOCK_M: tl.constexpr,     # tile rows: BLOCK_Q * GROUP rounded up to a power of two
     TILE: tl.constexpr, UPCAST: tl.constexpr,
+    PDL: tl.constexpr,         # launched ahead of pass 2 (programmatic dependent launch)
 ):
     """Pass 1: BLOCK_Q tokens of the whole batch (whatever their sequences) times the
     GROUP query heads of one KV head, against keys [split * chunk, ...) of the prefix."""
+    if PDL:
+        gdc_launch_dependents()  # pass 2 may start now: it reads our parts only after gdc_wait
     kv_head = tl.program_id(0).to(tl.int64)
     rows = tl.arange(0, BLOCK_M)
     token = tl.program_id(1).to(tl.int64) * BLOCK_Q + rows // GROUP
@@ -120,9 +122,15 @@ def prefix_kernel(
     split = tl.program_id(2)
     start = split * chunk
     end = tl.minimum(start + chunk, prefix_len)
+    # Each tile's block numbers are loaded one tile ahead: the K/V loads need them for
+    # their addresses, and waiting for both loads in turn each tile is what made pass 1 slow.
+    key = start + tl.arange(0, TILE)
+    block_next = tl.load(block_table_ptr + key // BLOCK_SIZE, mask=key < end, other=0)
     for tile_start in range(start, end, TILE):
         key = tile_start + tl.arange(0, TILE)
-        k, v = _load_kv(k_cache_ptr, v_cache_ptr, block_table_ptr, key, key < end, kv_head, NUM_KV_HEADS, dims,
+        block = block_next
+        block_next = tl.load(block_table_ptr + (key + TILE) // BLOCK_SIZE, mask=key + TILE < end, other=0)
+        k, v = _load_kv(k_cache_ptr, v_cache_ptr, block, key, key < end, kv_head, NUM_KV_HEADS, dims,
                         dim_live, BLOCK_SIZE, HEAD_SIZE, UPCAST)
         s = tl.dot(q, tl.trans(k), input_precision="ieee") * scale_log2
         s = tl.where(key[None, :] < end, s, float("-inf"))  # the last tile's keys past the chunk
@@ -153,10 +161,10 @@ def suffix_kernel(
     NUM_HEADS, NUM_KV_HEADS, NUM_PARTS,
     BLOCK_SIZE: tl.constexpr, HEAD_SIZE: tl.constexpr, D_PAD: tl.constexpr, GROUP: tl.constexpr,
     BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr, TILE: tl.constexpr, UPCAST: tl.constexpr,
-    DIRECT: tl.constexpr,      # no prefix: the suffix is the whole answer, written to out
+    PDL: tl.constexpr,         # launched while pass 1 runs: wait for it before reading its parts
 ):
     """Pass 2: L3's program (one KV head, one query block of one sequence) over keys
-    prefix_len .. position only: the keys before prefix_len are pass 1's."""
+    prefix_len .. position only, then pass 1's NUM_PARTS parts folded in (the merge)."""
     kv_head = tl.program_id(0).to(tl.int64)
     q_block = tl.num_programs(1) - 1 - tl.program_id(1)  # heaviest blocks first, as in L3
     seq = _find_seq(query_start_loc_ptr, q_block, num_seqs, BLOCK_Q)
@@ -191,49 +199,39 @@ def suffix_kernel(
     full_end = prefix_len + (context_len + first + 1 - prefix_len) // TILE * TILE
     for start in range(full_end, end, TILE):
         key = start + tl.arange(0, TILE)
-        k, v = _load_kv(k_cache_ptr, v_cache_ptr, table_row, key, key < end, kv_head, NUM_KV_HEADS, dims,
+        block = tl.load(table_row + key // BLOCK_SIZE, mask=key < end, other=0)
+        k, v = _load_kv(k_cache_ptr, v_cache_ptr, block, key, key < end, kv_head, NUM_KV_HEADS, dims,
                         dim_live, BLOCK_SIZE, HEAD_SIZE, UPCAST)
         s = tl.dot(q, tl.trans(k), input_precision="ieee") * scale_log2
         s = tl.where(key[None, :] <= pos[:, None], s, float("-inf"))
         m, l, acc = _softmax_step(s, v, m, l, acc)
     for start in range(prefix_len, full_end, TILE):
         key = start + tl.arange(0, TILE)
-        k, v = _load_kv(k_cache_ptr, v_cache_ptr, table_row, key, key < end, kv_head, NUM_KV_HEADS, dims,
+        block = tl.load(table_row + key // BLOCK_SIZE, mask=key < end, other=0)
+        k, v = _load_kv(k_cache_ptr, v_cache_ptr, block, key, key < end, kv_head, NUM_KV_HEADS, dims,
                         dim_live, BLOCK_SIZE, HEAD_SIZE, UPCAST)
         s = tl.dot(q, tl.trans(k), input_precision="ieee") * scale_log2
         m, l, acc = _softmax_step(s, v, m, l, acc)
 
-    if DIRECT:
-        out_offs = token[:, None] * out_stride + heads[:, None] * HEAD_SIZE + dims[None, :]
-        tl.store(out_ptr + out_offs, (acc / l[:, None]).to(out_ptr.dtype.element_ty),
-                 mask=row_live[:, None] & dim_live[None, :])
-    else:  # the last part, after the prefix's chunks
-        _store_part(parts_ptr, lse_ptr, token, heads, row_live, dims, dim_live, m, l, acc, NUM_PARTS - 1,
-                    NUM_HEADS, NUM_PARTS, HEAD_SIZE)
-
-
-@triton.jit
-def merge_states_kernel(
-    out_ptr, parts_ptr, lse_ptr, out_stride, NUM_HEADS,
-    NUM_PARTS: tl.constexpr, PARTS_PAD: tl.constexpr, HEAD_SIZE: tl.constexpr, D_PAD: tl.constexpr,
-):
-    """L4's merge: one (token, query head), its NUM_PARTS parts weighted by exp(lse)."""
-    row = tl.program_id(0).to(tl.int64)
-    head = tl.program_id(1).to(tl.int64)
-    parts = tl.arange(0, PARTS_PAD)
-    dims = tl.arange(0, D_PAD)
-    first = (row * NUM_HEADS + head) * NUM_PARTS
-    s = tl.load(lse_ptr + first + parts, mask=parts < NUM_PARTS, other=float("-inf"))
-    s_max = tl.max(s, axis=0)
-    s_max = tl.where(s_max == float("-inf"), 0.0, s_max)  # every part empty: no -inf - (-inf)
-    w = tl.exp(s - s_max)  # 0 for an empty part
-    v_mask = (parts < NUM_PARTS)[:, None] & (dims < HEAD_SIZE)[None, :]
-    v = tl.load(parts_ptr + (first + parts)[:, None] * HEAD_SIZE + dims[None, :], mask=v_mask, other=0.0)
-    v = tl.where(w[:, None] > 0, v, 0.0)  # an empty part's v is never trusted: 0 * NaN = NaN
-    total = tl.sum(w, axis=0)
-    out = tl.sum(w[:, None] * v, axis=0) / tl.where(total > 0, total, 1.0)
-    tl.store(out_ptr + row * out_stride + head * HEAD_SIZE + dims, out.to(out_ptr.dtype.element_ty),
-             mask=dims < HEAD_SIZE)
+    # The merge (L4's rule), folded into the online softmax: each of pass 1's parts is
+    # one more "key" whose score is its LSE and whose value is its output.
+    if PDL:
+        gdc_wait()  # pass 1 has finished and its parts are visible
+    for part in range(0, NUM_PARTS):
+        at = (token * NUM_HEADS + heads) * NUM_PARTS + part
+        s = tl.load(lse_ptr + at, mask=row_live, other=float("-inf"))
+        v = tl.load(parts_ptr + at[:, None] * HEAD_SIZE + dims[None, :], mask=row_live[:, None] & dim_live[None, :])
+        m_new = tl.maximum(m, s)
+        base = tl.where(m_new == float("-inf"), 0.0, m_new)  # as in _softmax_step
+        keep = tl.exp2(m - base)  # the weight of what is folded so far
+        w = tl.exp2(s - base)     # the part's weight: 0 for an empty part (lse = -inf)
+        l = l * keep + w
+        v = tl.where(w[:, None] > 0, v, 0.0)  # an empty part's v is never trusted: 0 * NaN = NaN
+        acc = acc * keep[:, None] + w[:, None] * v
+        m = m_new
+    out_offs = token[:, None] * out_stride + heads[:, None] * HEAD_SIZE + dims[None, :]
+    tl.store(out_ptr + out_offs, (acc / l[:, None]).to(out_ptr.dtype.element_ty),
+             mask=row_live[:, None] & dim_live[None, :])
 
 
 def cascade_attention(query, k_cache, v_cache, block_table, query_start_loc, seq_lens, common_prefix_len,
@@ -259,10 +257,9 @@ def cascade_attention(query, k_cache, v_cache, block_table, query_start_loc, seq
 
     # Pass 1: the whole batch's tokens in blocks of block_q1, against the prefix cut
     # into num_splits chunks (a GPU needs enough programs; the batch alone is few).
-    # On a GPU it runs on a side stream: it keeps the tensor cores busy while pass 2
-    # keeps memory busy, so the two overlap instead of taking turns.
-    num_splits, parts, lse, side = 0, out, out, None
+    num_splits, parts, lse, pdl = 0, out, out, False
     if common_prefix_len > 0:
+        pdl = not on_cpu and torch.cuda.get_device_capability(query.device)[0] >= 9  # Hopper and later
         block_m1 = rows if on_cpu else max(rows, 64)
         block_q1 = block_m1 // group
         q_blocks = triton.cdiv(total_q, block_q1)
@@ -273,23 +270,21 @@ def cascade_attention(query, k_cache, v_cache, block_table, query_start_loc, seq
             fit = 2 * sms // (num_kv_heads * q_blocks)  # chunks that keep it to two programs an SM
             prefix_bytes = common_prefix_len * num_kv_heads * head_size * 2 * query.element_size()
             part_bytes = total_q * num_heads * head_size * 4  # what one more chunk writes (fp32)
-            num_splits = max(1, min(fit, common_prefix_len // MIN_SPLIT_KEYS, prefix_bytes // (4 * part_bytes)))
+            num_splits = max(1, min(fit, MAX_SPLITS, common_prefix_len // MIN_SPLIT_KEYS,
+                                     prefix_bytes // (4 * part_bytes)))
         tile1 = 16 if on_cpu else (64 if d_pad <= 128 else 32)
         chunk = triton.cdiv(triton.cdiv(common_prefix_len, num_splits), tile1) * tile1
-        parts = torch.empty((total_q, num_heads, num_splits + 1, head_size), dtype=torch.float32,
-                            device=query.device)
-        lse = torch.empty((total_q, num_heads, num_splits + 1), dtype=torch.float32, device=query.device)
-        if not on_cpu:
-            side = _side_stream(query.device)
-            side.wait_stream(torch.cuda.current_stream(query.device))  # after what was queued before us
-        with torch.cuda.stream(side):  # side None (the interpreter): a no-op, pass 1 stays put
-            prefix_kernel[(num_kv_heads, q_blocks, num_splits)](
-                parts, lse, query, k_cache, v_cache, block_table, scale * LOG2E, total_q, common_prefix_len, chunk,
-                query.stride(0), num_heads, num_kv_heads, num_splits + 1,
-                BLOCK_Q=block_q1, BLOCK_M=block_m1, TILE=tile1, **common,
-                num_warps=4, num_stages=1 if on_cpu else 2)
+        parts = torch.empty((total_q, num_heads, num_splits, head_size), dtype=torch.float32, device=query.device)
+        lse = torch.empty((total_q, num_heads, num_splits), dtype=torch.float32, device=query.device)
+        prefix_kernel[(num_kv_heads, q_blocks, num_splits)](
+            parts, lse, query, k_cache, v_cache, block_table, scale * LOG2E, total_q, common_prefix_len, chunk,
+            query.stride(0), num_heads, num_kv_heads, num_splits,
+            BLOCK_Q=block_q1, BLOCK_M=block_m1, TILE=tile1, PDL=pdl, **common,
+            num_warps=4, num_stages=1 if on_cpu else 3)
 
-    # Pass 2: L3 over each sequence's own keys, prefix_len onwards.
+    # Pass 2: L3 over each sequence's own keys, prefix_len onwards, then pass 1's parts.
+    # With PDL it is launched while pass 1 runs: pass 1's programs are placed first and
+    # pass 2's fill the rest of each SM, memory-bound work beside tensor-core work.
     if on_cpu:
         block_m2, tile2, warps, stages = rows, 16, 4, 1
     elif total_q / num_seqs >= 16:
@@ -300,27 +295,10 @@ def cascade_attention(query, k_cache, v_cache, block_table, query_start_loc, seq
     suffix_kernel[(num_kv_heads, total_q // block_q2 + num_seqs)](
         out, parts, lse, query, k_cache, v_cache, block_table, query_start_loc, seq_lens, scale * LOG2E,
         num_seqs, common_prefix_len, query.stride(0), out.stride(0), block_table.stride(0),
-        num_heads, num_kv_heads, num_splits + 1,
-        BLOCK_Q=block_q2, BLOCK_M=block_m2, TILE=tile2, DIRECT=num_splits == 0, **common,
-        num_warps=warps, num_stages=stages)
-    if num_splits == 0:
-        return out
-    if side is not None:
-        torch.cuda.current_stream(query.device).wait_stream(side)  # the merge reads pass 1's parts
-
-    # Merge: the prefix's chunks and the suffix, by their log-sum-exps (L4).
-    merge_states_kernel[(total_q, num_heads)](
-        out, parts, lse, out.stride(0), num_heads,
-        NUM_PARTS=num_splits + 1, PARTS_PAD=triton.next_power_of_2(num_splits + 1), HEAD_SIZE=head_size,
-        D_PAD=triton.next_power_of_2(head_size))
+        num_heads, num_kv_heads, num_splits,
+        BLOCK_Q=block_q2, BLOCK_M=block_m2, TILE=tile2, PDL=pdl, **common,
+        num_warps=warps, num_stages=stages, **({"launch_pdl": True} if pdl else {}))
     return out
-
-
-def _side_stream(device):
-    """One stream per GPU for pass 1, made once and reused."""
-    if device not in _SIDE_STREAMS:
-        _SIDE_STREAMS[device] = torch.cuda.Stream(device)
-    return _SIDE_STREAMS[device]
 
 
 def _check_inputs(query, k_cache, v_cache, block_table, query_start_loc, seq_lens, common_prefix_len, out):

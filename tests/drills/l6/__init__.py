@@ -28,7 +28,7 @@ DRILL = Drill(
     **PLANTED.fields(),
     title="Cascade attention",
     mirrors="vLLM cascade_attention (FlashAttention backend), FlashInfer MultiLevelCascadeAttentionWrapper",
-    api=("cascade_prefix_len", "prefix_kernel", "suffix_kernel", "merge_states_kernel", "cascade_attention"),
+    api=("cascade_prefix_len", "prefix_kernel", "suffix_kernel", "cascade_attention"),
     test_shapes=TEST_SHAPES,
     bench=BENCH,
     bench_work=bench_work,

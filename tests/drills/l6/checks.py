@@ -108,7 +108,7 @@ def _explain_wrong(case, got, want, wrong, atol, rtol):
             alt = case.reference(mistake=mistake)
             if _matches(got, want, alt, wrong, atol, rtol):
                 return f"{text} (pitfall:{tag}, {SECTION})", tag
-        for name, text in (("merge_swapped", "the planted merge that pairs part p's v with part P - 1 - p's LSE "
+        for name, text in (("merge_swapped", "the planted merge that weighs each side by the other side's LSE "
                                              "(the sides swapped)"),
                            ("prefix_causal", "the planted pass 1 under a causal mask")):
             alt = _variant(case, name)

@@ -5,7 +5,6 @@ from _drill import Mistake, Pitfall, Planted
 
 SECTION = "content/l6.md §8"
 
-_MERGE_LSE = 's = tl.load(lse_ptr + first + parts, mask=parts < NUM_PARTS, other=float("-inf"))'
 _PREFIX_MASK = 's = tl.where(key[None, :] < end, s, float("-inf"))  # the last tile\'s keys past the chunk'
 
 PITFALLS = {
@@ -31,19 +30,21 @@ PITFALLS = {
         # Right answers, more bytes: only the interpreter's load counters (the traffic test) see it.
         interpreter_only=True),
     "merge_swapped": Pitfall(
-        says="the merge pairs each part's v with another part's log-sum-exp (the sides swapped)",
-        edits=((_MERGE_LSE, _MERGE_LSE.replace("first + parts,", "first + (NUM_PARTS - 1 - parts),")),)),
+        says="the merge weighs each side by the other side's log-sum-exp (the sides swapped): what is folded "
+             "so far by the incoming part's, the part by what is folded so far",
+        edits=(("keep = tl.exp2(m - base)", "keep = tl.exp2(s - base)"),
+               ("w = tl.exp2(s - base)     # the part's", "w = tl.exp2(m - base)     # the part's"))),
     "empty_part_nan": Pitfall(
         says="an empty part (a chunk of the prefix past its end: no key) stores 0/0 = NaN, and the merge "
              "multiplies it by its weight 0: 0 · NaN = NaN",
         edits=(("v = acc / tl.where(l > 0, l, 1.0)[:, None]", "v = acc / l[:, None]"),
-               ("    v = tl.where(w[:, None] > 0, v, 0.0)  # an empty part's v is never trusted: 0 * NaN = NaN\n",
+               ("        v = tl.where(w[:, None] > 0, v, 0.0)  # an empty part's v is never trusted: 0 * NaN = NaN\n",
                 ""))),
 }
 
 # Other wrong kernels: the grade must fail each one and name no pitfall.
-_MERGE_STORE = ("tl.store(out_ptr + row * out_stride + head * HEAD_SIZE + dims, out.to(out_ptr.dtype.element_ty),\n"
-                "             mask=dims < HEAD_SIZE)")
+_MERGE_STORE = ("tl.store(out_ptr + out_offs, (acc / l[:, None]).to(out_ptr.dtype.element_ty),\n"
+                "             mask=row_live[:, None] & dim_live[None, :])")
 
 MISTAKES = {
     "merge_store_forgotten": Mistake(shows="never written", edits=(
