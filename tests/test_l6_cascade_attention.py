@@ -134,20 +134,21 @@ def test_a_chunk_of_the_prefix_with_no_key_stays_finite(drill, device):
 @pytest.mark.pitfall("empty_part_nan")
 @pytest.mark.skipif(_env.INTERPRET, reason="a GPU-sized prefix: the interpreter's chunks are tested above")
 def test_long_prefix_cut_into_chunks_on_a_gpu(drill, device):
-    """4112 shared tokens (257 blocks of 16) and a mixed batch. At the other tests' sizes a
+    """2064 shared tokens (129 blocks of 16) and a mixed batch. At the other tests' sizes a
     GPU gives the whole prefix to one chunk; this one it cuts into many, and with the
-    reference's rule (16 chunks of 320 keys) the last three hold no key at all: chunks
-    must meet exactly in the merge, and an empty one must weigh nothing."""
-    run(drill, _case(device, [1, 1, 7, 1, 3, 1], [4200, 4112, 4300, 4150, 4500, 4120], 257, block_size=16,
+    reference's rule (8 chunks of 320 keys) the seventh ends early and the last holds no
+    key at all: chunks must meet exactly in the merge, and an empty one must weigh nothing."""
+    run(drill, _case(device, [1, 1, 7, 1, 3, 1], [2150, 2070, 2300, 2100, 2500, 2080], 129, block_size=16,
                      head_size=64, seed=21))
 
 
-@pytest.mark.skipif(_env.INTERPRET, reason="streams are a GPU's: the interpreter runs the passes in order")
+@pytest.mark.skipif(_env.INTERPRET, reason="overlap is a GPU's: the interpreter runs the passes in order")
 def test_merge_waits_for_the_prefix_pass_on_a_gpu(drill, device):
-    """A kernel may run pass 1 on a stream of its own beside pass 2 (content/l6.md §4);
-    then the merge must wait for it. 8192 shared tokens against 1-5 own tokens a sequence
-    make pass 1 far longer than pass 2, so a merge that does not wait reads parts pass 1
-    has not written yet; three fresh batches, since such a race need not show every time."""
+    """A kernel may run pass 1 beside pass 2 (programmatic dependent launch, or a stream of
+    its own: content/l6.md §4); then the merge must wait for it. 8192 shared tokens against
+    1-5 own tokens a sequence make pass 1 far longer than pass 2, so a merge that does not
+    wait reads parts pass 1 has not written yet; three fresh batches, since such a race
+    need not show every time."""
     for seed in range(3):
         run(drill, _case(device, [1] * 48, [8192 + seed + b % 3 for b in range(48)], 512, num_heads=32,
                          num_kv_heads=8, head_size=128, block_size=16, seed=30 + seed))
