@@ -133,7 +133,6 @@ def test_spare_rows_of_tall_tiles_on_long_chunks(drill, device, num_heads, num_k
                      seed=29))
 
 
-
 @pytest.mark.parametrize("group", [1, 4], ids=["group1", "group4"])
 def test_causal_boundary_just_past_a_tile_edge(drill, device, group):
     """Prefixes of 14, 30 and 62 tokens put a block's first query one key before a tile

@@ -6,7 +6,7 @@ import torch
 
 from _pages import section, self_test
 from _traffic import check_page_line
-from _tree import ROOT
+from _tree import ROOT, load_drill
 
 from .bench import BENCH, CROSSOVER_BATCHES, CROSSOVER_PREFIXES, cascade_bytes, pass1_flops
 from .cases import EXAMPLE, example_case, example_outputs, example_tables
@@ -99,7 +99,6 @@ def check_self_tests(text):
     kv = cascade_bytes(**params) - 2 * 128 * 32 * 128 * 2
     assert f"合计 {kv} 字节" in q and f"约 {128 * 8448 * 4096 / kv:.1f} 倍" in q
     q = self_test(text, 4)  # the reference's four caps on pass 1's chunks (solutions/, cascade_attention)
-    from _tree import load_drill
     reference = load_drill("solutions", "l6_cascade_attention")
     min_keys, max_splits = reference.MIN_SPLIT_KEYS, reference.MAX_SPLITS
     blocks = -(-64 // (64 // 4))
