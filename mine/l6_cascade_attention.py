@@ -54,9 +54,9 @@ def prefix_kernel(
     prefix's blocks are the first prefix_len // BLOCK_SIZE entries of block-table row 0
     (every row holds the same ones). No causal mask: every query sits past the prefix.
     Store this chunk's acc / l (0 for a row that saw no key, never NaN) as part `split`
-    of parts [total_q, H_q, NUM_PARTS, D] fp32, and its log-sum-exp in base 2 (m +
-    log2(l); -inf for no key) in lse [total_q, H_q, NUM_PARTS]. PDL (only ever True on
-    a GPU, hint 6): call gdc_launch_dependents() first.
+    of parts [total_q, H_q, NUM_PARTS, D] (the query's dtype; fp32 works too), and its
+    log-sum-exp in base 2 (m + log2(l); -inf for no key) in lse [total_q, H_q, NUM_PARTS]
+    fp32. PDL (only ever True on a GPU, hint 6): call gdc_launch_dependents() first.
     """
     # TODO(l6): the rows and their q (content/l6.md §4); the chunk's keys through
     # block-table row 0, no causal mask; L3's online softmax; store part and lse.
@@ -103,5 +103,5 @@ def cascade_attention(query, k_cache, v_cache, block_table, query_start_loc, seq
     also merges.
     """
     # TODO(l6): check the inputs (content/l6.md §6); allocate out; with a prefix,
-    # fp32 parts and lse for num_splits parts and pass 1; then pass 2 (§4).
+    # parts (the query's dtype) and fp32 lse for num_splits parts and pass 1; then pass 2 (§4).
     raise NotImplementedError("cascade_attention is not written yet: see content/l6.md §4 and §6")

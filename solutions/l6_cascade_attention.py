@@ -77,12 +77,15 @@ def _softmax_step(s, v, m, l, acc):
 @triton.jit
 def _store_part(parts_ptr, lse_ptr, token, heads, row_live, dims, dim_live, m, l, acc, part,
                 NUM_HEADS, NUM_PARTS, HEAD_SIZE: tl.constexpr):
-    """Row r's partial output acc / l and its LSE in base 2 (FlashInfer's base), as
-    part `part` of [total_q, H_q, NUM_PARTS, D] and [total_q, H_q, NUM_PARTS]. A row
-    that saw no key stores v = 0 and lse = -inf (log 0): an empty part, which the fold skips."""
+    """Row r's partial output acc / l, in the parts' dtype (the query's: vLLM's merge
+    reads its parts in the model's dtype too), and its LSE in base 2 (FlashInfer's
+    base) in fp32, as part `part` of [total_q, H_q, NUM_PARTS, D] and [total_q, H_q,
+    NUM_PARTS]. A row that saw no key stores v = 0 and lse = -inf (log 0): an empty
+    part, which the fold skips."""
     v = acc / tl.where(l > 0, l, 1.0)[:, None]
     first = (token * NUM_HEADS + heads) * NUM_PARTS + part
-    tl.store(parts_ptr + first[:, None] * HEAD_SIZE + dims[None, :], v, mask=row_live[:, None] & dim_live[None, :])
+    tl.store(parts_ptr + first[:, None] * HEAD_SIZE + dims[None, :], v.to(parts_ptr.dtype.element_ty),
+             mask=row_live[:, None] & dim_live[None, :])
     tl.store(lse_ptr + first, m + tl.log2(l), mask=row_live)
 
 
@@ -205,9 +208,13 @@ def suffix_kernel(
         s = tl.dot(q, tl.trans(k), input_precision="ieee") * scale_log2
         s = tl.where(key[None, :] <= pos[:, None], s, float("-inf"))
         m, l, acc = _softmax_step(s, v, m, l, acc)
+    # As in pass 1, each tile's block numbers are loaded one tile ahead.
+    key = prefix_len + tl.arange(0, TILE)
+    block_next = tl.load(table_row + key // BLOCK_SIZE, mask=key < full_end, other=0)
     for start in range(prefix_len, full_end, TILE):
         key = start + tl.arange(0, TILE)
-        block = tl.load(table_row + key // BLOCK_SIZE, mask=key < end, other=0)
+        block = block_next
+        block_next = tl.load(table_row + (key + TILE) // BLOCK_SIZE, mask=key + TILE < full_end, other=0)
         k, v = _load_kv(k_cache_ptr, v_cache_ptr, block, key, key < end, kv_head, NUM_KV_HEADS, dims,
                         dim_live, BLOCK_SIZE, HEAD_SIZE, UPCAST)
         s = tl.dot(q, tl.trans(k), input_precision="ieee") * scale_log2
@@ -220,7 +227,8 @@ def suffix_kernel(
     for part in range(0, NUM_PARTS):
         at = (token * NUM_HEADS + heads) * NUM_PARTS + part
         s = tl.load(lse_ptr + at, mask=row_live, other=float("-inf"))
-        v = tl.load(parts_ptr + at[:, None] * HEAD_SIZE + dims[None, :], mask=row_live[:, None] & dim_live[None, :])
+        v = tl.load(parts_ptr + at[:, None] * HEAD_SIZE + dims[None, :],
+                    mask=row_live[:, None] & dim_live[None, :]).to(tl.float32)
         m_new = tl.maximum(m, s)
         base = tl.where(m_new == float("-inf"), 0.0, m_new)  # as in _softmax_step
         keep = tl.exp2(m - base)  # the weight of what is folded so far
@@ -269,12 +277,12 @@ def cascade_attention(query, k_cache, v_cache, block_table, query_start_loc, seq
             sms = torch.cuda.get_device_properties(query.device).multi_processor_count
             fit = 2 * sms // (num_kv_heads * q_blocks)  # chunks that keep it to two programs an SM
             prefix_bytes = common_prefix_len * num_kv_heads * head_size * 2 * query.element_size()
-            part_bytes = total_q * num_heads * head_size * 4  # what one more chunk writes (fp32)
+            part_bytes = 2 * total_q * num_heads * head_size * query.element_size()  # a chunk's part: stored, read
             num_splits = max(1, min(fit, MAX_SPLITS, common_prefix_len // MIN_SPLIT_KEYS,
                                      prefix_bytes // (4 * part_bytes)))
         tile1 = 16 if on_cpu else (64 if d_pad <= 128 else 32)
         chunk = triton.cdiv(triton.cdiv(common_prefix_len, num_splits), tile1) * tile1
-        parts = torch.empty((total_q, num_heads, num_splits, head_size), dtype=torch.float32, device=query.device)
+        parts = torch.empty((total_q, num_heads, num_splits, head_size), dtype=query.dtype, device=query.device)
         lse = torch.empty((total_q, num_heads, num_splits), dtype=torch.float32, device=query.device)
         prefix_kernel[(num_kv_heads, q_blocks, num_splits)](
             parts, lse, query, k_cache, v_cache, block_table, scale * LOG2E, total_q, common_prefix_len, chunk,
@@ -290,7 +298,7 @@ def cascade_attention(query, k_cache, v_cache, block_table, query_start_loc, seq
     elif total_q / num_seqs >= 16:
         block_m2, tile2, warps, stages = max(rows, 128), 32, 8, 2  # L3's prefill tile
     else:
-        block_m2, tile2, warps, stages = rows, (64 if d_pad <= 128 else 32), 4, 3  # L3's decode tile, 3 stages
+        block_m2, tile2, warps, stages = rows, (64 if d_pad <= 128 else 32), 4, 2  # L3's decode tile, 2 stages
     block_q2 = block_m2 // group
     suffix_kernel[(num_kv_heads, total_q // block_q2 + num_seqs)](
         out, parts, lse, query, k_cache, v_cache, block_table, query_start_loc, seq_lens, scale * LOG2E,

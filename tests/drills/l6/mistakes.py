@@ -22,6 +22,7 @@ PITFALLS = {
              "twice: once in pass 1 and again in pass 2",
         edits=(("full_end = prefix_len + (context_len + first + 1 - prefix_len) // TILE * TILE",
                 "full_end = (context_len + first + 1) // TILE * TILE"),
+               ("key = prefix_len + tl.arange(0, TILE)", "key = tl.arange(0, TILE)"),
                ("for start in range(prefix_len, full_end, TILE):", "for start in range(0, full_end, TILE):"))),
     "prefix_per_sequence": Pitfall(
         says="pass 1 gives each program one token's queries (one sequence's, in a decode batch), so the prefix's "

@@ -5,8 +5,8 @@ import math
 
 import torch
 
-# (atol, rtol) against the float64 reference, as L3's: the parts are fp32 and the
-# output is rounded once.
+# (atol, rtol) against the float64 reference, as L3's: the reference's parts are in
+# the query's dtype (rounded once there, as vLLM's are) and the output once more.
 TOLERANCE = {torch.float16: (2e-3, 2e-3), torch.bfloat16: (1.5e-2, 1.5e-2), torch.float32: (1e-4, 1e-4)}
 
 

@@ -60,13 +60,14 @@ def check_prefix_read_once(module, case):
 def traffic_parts(p):
     """cascade_bytes (the bench's count) tensor by tensor, plus what it leaves out: the
     block table (the prefix's columns once, each sequence's own), the lengths, and the
-    fp32 parts each chunk of pass 1 stores once and pass 2 loads once (its merge)."""
+    parts (in the query's dtype, their LSEs fp32) each chunk of pass 1 stores once and
+    pass 2 loads once (its merge)."""
     size = ELEMENT_SIZE[p["dtype"]]
     b, bs = p["num_seqs"], p["block_size"]
     kv_token = 2 * p["num_kv_heads"] * p["head_size"] * size
     kv = p["prefix"] * kv_token + b * p["suffix"] * kv_token
     rows = b * p["num_heads"] * p["head_size"] * size
-    partials = b * p["num_heads"] * p["num_splits"] * (p["head_size"] + 1) * 4
+    partials = b * p["num_heads"] * p["num_splits"] * (p["head_size"] * size + 4)
     table = 4 * (p["prefix"] // bs + b * -(-p["suffix"] // bs))
     parts = [Part("K/V", (1, 2), fewest_loaded=kv), Part("query", (0,), fewest_loaded=rows),
              Part("block table", (3,), fewest_loaded=table), Part("lengths", (4, 5), fewest_loaded=4 * (2 * b + 1)),
