@@ -28,6 +28,21 @@ def check_worked_example_table(text):
             f"§3, step {s}: the page says {got}, the schedule gives {want}"
 
 
+def check_free_blocks_before_the_last_step(text):
+    """§3, step 4: the free blocks before it (all of num_blocks = None's cache but those the
+    live requests hold after step 3), and the lowest of them is the one C gets."""
+    ex = WORKED_EXAMPLE
+    steps = simulate(ex["prompt_lens"], ex["max_new"], ex["block_size"], None, ex["budget"])
+    num_blocks = sum(-(-(p + n - 1) // ex["block_size"]) for p, n in zip(ex["prompt_lens"], ex["max_new"]))
+    live = [r for r, _, _ in steps[4]["rows"]]
+    held = {b for (r, _, _), row in zip(steps[3]["rows"], steps[3]["block_table"]) if r in live for b in row}
+    free = sorted(set(range(num_blocks)) - held)
+    said = re.search(r"空闲的是 ([\d、和 ]+)（cache 一共 (\d+) 块", text.split("<!-- /worked-example -->")[1])
+    assert [int(b) for b in re.findall(r"\d+", said.group(1))] == free and int(said.group(2)) == num_blocks
+    taken = steps[4]["block_table"][0][-1]
+    assert taken == free[0] and f"给编号最小的 {taken}" in text
+
+
 def check_self_test_blocks(text):
     """§10 question 1: a 1000-token prompt with 200 new tokens in blocks of 16 needs
     ceil(1199 / 16) = 75 blocks at most (the last new token never enters the cache)."""
@@ -42,4 +57,4 @@ def check_self_test_budget(text):
     assert "一共 4 步" in text.split("## 10")[1]
 
 
-PAGE_CHECKS = (check_worked_example_table, check_self_test_blocks, check_self_test_budget)
+PAGE_CHECKS = (check_worked_example_table, check_free_blocks_before_the_last_step, check_self_test_blocks, check_self_test_budget)

@@ -8,7 +8,7 @@ from _traffic import check_page_line
 from _tree import load_drill
 
 from .bench import write_bytes
-from .cases import WORKED_EXAMPLE, worked_example_numbers
+from .cases import WORKED_EXAMPLE, worked_example_numbers, write_case
 from .reference import FP8_MAX, quantise
 from .traffic import TRAFFIC_CASE, traffic
 
@@ -39,6 +39,25 @@ def check_format_table(text):
 def check_interpreter_counts(text):
     """§5 quotes what was measured on Triton 3.9's interpreter; the sentence names the counts."""
     assert "e4m3 错 2434 个、e5m2 错 4661 个" in section(text, 5)
+
+
+def check_source_dtype_division(text):
+    """§5: torch's promotion (a [1] fp32 divisor gives fp32, a 0-dim one or a float keeps
+    bf16) and the bytes that dividing in the 16-bit dtype changes in test_write_divides_in_fp32's
+    case (K and V, e5m2, divisor 300, seed 4)."""
+    part = section(text, 5)
+    x = torch.ones(2, dtype=torch.bfloat16)
+    assert (x / torch.ones(1)).dtype == torch.float32 and "`[1]` 形状的 fp32 张量，类型提升给出 fp32" in part
+    assert (x / torch.tensor(1.0)).dtype == (x / 1.0).dtype == torch.bfloat16
+    wrong = {}
+    for dtype in (torch.bfloat16, torch.float16):
+        case = write_case(num_tokens=12, num_heads=2, head_size=64, fp8="e5m2", dtype=dtype, divisor=300.0, seed=4)
+        assert case.key.numel() == 1536
+        wrong[dtype] = sum(int((quantise(x, s, torch.float8_e5m2).view(torch.uint8)
+                                != quantise(x, s, torch.float8_e5m2, "source_dtype").view(torch.uint8)).sum())
+                           for x, s in ((case.key, case.k_scale), (case.value, case.v_scale)))
+    said = f"在 bf16 里除有 {wrong[torch.bfloat16]} 个字节和正确的不同，在 fp16 里除有 {wrong[torch.float16]} 个"
+    assert said in part, f"§5 should say: {said}"
 
 
 def check_self_test_quantise(text):
@@ -77,4 +96,5 @@ def check_traffic_line(text):
 
 
 PAGE_CHECKS = (check_traffic_line, check_worked_example_table, check_format_table, check_interpreter_counts,
+               check_source_dtype_division,
                check_self_test_quantise, check_self_test_saturation, check_self_test_write_bytes, check_bytes_saved)

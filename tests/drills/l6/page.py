@@ -62,6 +62,35 @@ def check_vllm_model(text):
     assert f"时间 ⌈{b * h_kv * tiles} / 132⌉ = {fd}" in sec and cascade < fd
 
 
+def vllm_uses_cascade(num_seqs, prefix, num_heads=32, num_kv_heads=8, sms=132):
+    """vLLM's use_cascade_attention on a decode batch (flash_attn.py, content/l6.md §11):
+    at least 256 shared tokens and 8 requests, then the wave model, compared with a strict <."""
+    if prefix < 256 or num_seqs < 8:
+        return False
+    tiles = -(-prefix // 128)
+    cascade = -(-(num_heads * -(-num_seqs // 128)) // sms) * tiles
+    flash_decoding = -(-(num_seqs * num_kv_heads * -(-(num_heads // num_kv_heads) // 128) * tiles) // sms)
+    return cascade < flash_decoding
+
+
+def check_vllm_rule_on_the_table(text):
+    """§5: vLLM's rule on the crossover table: off for every B <= 16, on from B = 32, so it
+    is wrong only on the cautious side, by at most the largest speed-up it leaves (a cell > 1
+    where it is off); nowhere does it turn cascade on where ours is slower."""
+    sec = section(text, 5)
+    rows = {int(b): [float(c[:-1]) for c in cells.split(" | ")]
+            for b, cells in re.findall(r"^\| (\d+) \| (.*) \|$", sec, re.M)}
+    on = {(b, p): vllm_uses_cascade(b, p) for b in rows for p in CROSSOVER_PREFIXES}
+    assert not any(on[b, p] for b in rows if b <= 16 for p in CROSSOVER_PREFIXES)
+    assert all(on[b, p] for b in rows if b >= 32 for p in CROSSOVER_PREFIXES)
+    cells = {(b, p): x for b, xs in rows.items() for p, x in zip(CROSSOVER_PREFIXES, xs)}
+    assert not any(on[k] and x < 1 for k, x in cells.items())
+    missed = max((x, k) for k, x in cells.items() if not on[k] and x > 1)
+    b, p = missed[1]
+    assert f"最多少拿 {missed[0]:.2f} 倍（B = {b}、前缀 {p}）" in sec
+    assert "B ≤ 16 的每一格它都不开 cascade" in sec and "B = 32 起每一格它都开" in sec
+
+
 def check_crossover_table(text):
     """§5's table is BENCHMARKS.md's L6 crossover table, cell by cell; before the GPU run
     every cell reads 待测."""
@@ -121,4 +150,4 @@ def check_traffic_line(text):
 
 
 PAGE_CHECKS = (check_traffic_line, check_worked_example, check_bytes_and_flops, check_vllm_model,
-               check_crossover_table, check_self_tests)
+               check_vllm_rule_on_the_table, check_crossover_table, check_self_tests)
