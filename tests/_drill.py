@@ -93,6 +93,10 @@ class Drill:
     fixture_checks: tuple = ()   # functions(device) that check the drill's own case builders
     torch_only: tuple = ()       # functions of the contract written in plain PyTorch (no kernel need run)
     traffic: Callable = None     # (module) -> dict: its traffic case's bytes against the fewest (tests/_traffic.py)
+    writes: dict = field(default_factory=dict)  # {function: names of the arguments it writes}; the others it
+                                                # only reads, and the worker's call fails if one comes back changed
+    preload: tuple = ()          # modules of ours the worker imports before it is confined: what the drill's
+                                 # arguments are made of (a class of its cases), since tests/ is closed to it after
 
     @property
     def page(self):
@@ -101,6 +105,13 @@ class Drill:
     @property
     def files(self):
         return (self.page, f"mine/{self.stem}.py", f"solutions/{self.stem}.py", f"tests/test_{self.stem}.py")
+
+    @property
+    def contract(self):
+        """{function: (its parameter names, the names it writes)} for tests/_worker.py, the
+        names read from the reference's signatures."""
+        from _tree import parameters
+        return {fn: (names, tuple(self.writes.get(fn, ()))) for fn, names in parameters(self.stem).items()}
 
     @property
     def planted(self):

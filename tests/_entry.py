@@ -20,7 +20,7 @@ def traffic(argv):
     from _worker import WORKER, tree_module
     entry = find_drill(argv[0])
     try:
-        print(json.dumps(entry.traffic(tree_module(argv[1], entry.stem))))
+        print(json.dumps(entry.traffic(tree_module(argv[1], entry.stem, entry.contract, preload=entry.preload))))
     finally:
         WORKER.stop()
 

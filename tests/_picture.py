@@ -41,7 +41,7 @@ def show(drill, tree, console, case_path=None):
         else:
             from _worker import WORKER, tree_module
             try:
-                drill.picture(tree_module(tree, drill.stem), console)
+                drill.picture(tree_module(tree, drill.stem, drill.contract, preload=drill.preload), console)
             finally:
                 WORKER.stop()
     except Exception as error:  # a crash of the learner's process, or of the picture itself

@@ -25,7 +25,8 @@ from _manifest import BY_STEM, DRILLS
 from _paged import release_big_memory
 from _tree import default_tree, tree_path
 from _diagnose import Mismatch
-from _worker import ISOLATE, WORKER, reset_all, stop_all, tree_module
+from _process import become_subreaper
+from _worker import ISOLATE, calls_made, end_strays, reset_all, stop_all, tree_module
 
 # Under the CPU interpreter every Triton program runs in Python: few, small examples.
 _common = dict(deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
@@ -50,6 +51,7 @@ def pytest_addoption(parser):
 
 
 def pytest_configure(config):
+    become_subreaper()  # a learner's process that detaches from its worker is re-parented here, and ended
     for d in DRILLS:
         config.addinivalue_line("markers", f"{d.id}: drill {d.id.upper()}, {d.title} (pytest -m {d.id})")
     config.addinivalue_line("markers", "meta: checks of the repository itself (stubs, pages, grader)")
@@ -155,14 +157,34 @@ def pytest_runtest_call(item):
     drill = BY_STEM.get(item.path.stem.removeprefix("test_"))
     if drill is None or not ISOLATE or item.get_closest_marker("launches_nothing"):
         return result
-    kernels = {name: counts for name, counts in WORKER.calls.items() if name not in drill.torch_only}
+    kernels = {name: counts for name, counts in calls_made().items() if name not in drill.torch_only}
     if kernels and not any(launched for _, launched in kernels.values()):
         name, (calls, _) = next(iter(kernels.items()))
         raise Mismatch(NO_TRITON.format(function=f"{name}()", calls=calls))
     return result
 
 
+SKIPPED_AFTER_CALL = ("this test skipped after your code ran ({reason}): a skip is allowed only for a reason the "
+                      "reference's run has too (no GPU, the interpreter), so one your code's run caused counts as a "
+                      "failure")
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_makereport(item, call):
+    """A skip is not a pass: a test that skips after the learner's code ran in it (a count
+    that did not come back, a resource its run used up) fails instead. The skips the
+    reference has too (no GPU, the interpreter) are decided before any call."""
+    report = yield
+    if report.skipped and call.when == "call" and calls_made() and ISOLATE \
+            and BY_STEM.get(item.path.stem.removeprefix("test_")) is not None:
+        reason = report.longrepr[2] if isinstance(report.longrepr, tuple) else str(report.longrepr)
+        report.outcome = "failed"
+        report.longrepr = SKIPPED_AFTER_CALL.format(reason=reason.removeprefix("Skipped: "))
+    return report
+
+
 def pytest_runtest_teardown(item):
+    end_strays()  # nothing the learner's code started outlives the test
     release_big_memory()
 
 
@@ -192,7 +214,13 @@ def drill(request, tree, variant):
     path = Path(tree) / f"{stem}.py"
     if not path.is_file():
         pytest.fail(f"{path} does not exist: make reset DRILL={BY_STEM[stem].id} restores the stub", pytrace=False)
-    return tree_module(tree, stem)
+    # What the worker may read: the tree under test (all planted variants at once, so that one
+    # worker serves them), the session's tree, and the kernels E1 runs on (make grade KERNELS=).
+    readable = [Path(tree).parent if variant is not None else tree, request.getfixturevalue("tree")]
+    if os.environ.get("DRILLS_KERNELS"):
+        readable.append(tree_path(os.environ["DRILLS_KERNELS"]))
+    entry = BY_STEM[stem]
+    return tree_module(tree, stem, contract=entry.contract, readable=readable, preload=entry.preload)
 
 
 @pytest.fixture(scope="session")

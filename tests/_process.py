@@ -9,6 +9,7 @@ import os
 import signal
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -27,23 +28,35 @@ def die_with_parent():
 
 def run_process(cmd, timeout, env=None, pass_fds=()):
     """(returncode or None if killed at the time limit, stdout, stderr). The child runs in
-    a process group of its own, killed whole on timeout and on the grader's Ctrl-C."""
+    a process group of its own, killed whole on timeout and on the grader's Ctrl-C. Its
+    output goes to files, not pipes: a process it leaves behind holding a pipe end cannot
+    make us wait, and every wait here is bounded."""
     # One thread per child: the tensors are tiny, and two graders side by side on a
     # 2-core machine would otherwise oversubscribe it several times over.
-    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, stdin=subprocess.DEVNULL,
-                            text=True, start_new_session=True, pass_fds=pass_fds, preexec_fn=die_with_parent,
-                            env={"OMP_NUM_THREADS": "1", **os.environ, **(env or {})})
-    _CHILDREN.add(proc.pid)
-    try:
-        out, err = proc.communicate(timeout=timeout)
-        return proc.returncode, out, err
-    except subprocess.TimeoutExpired:
-        kill_group(proc.pid)
-        out, err = proc.communicate()
-        return None, out, err
-    finally:
-        kill_group(proc.pid)  # what the child left behind in its group goes with it
-        _CHILDREN.discard(proc.pid)
+    with tempfile.TemporaryFile() as out, tempfile.TemporaryFile() as err:
+        proc = subprocess.Popen(cmd, cwd=ROOT, stdout=out, stderr=err, stdin=subprocess.DEVNULL,
+                                start_new_session=True, pass_fds=pass_fds, preexec_fn=die_with_parent,
+                                env={"OMP_NUM_THREADS": "1", **os.environ, **(env or {})})
+        _CHILDREN.add(proc.pid)
+        try:
+            code = proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            code = None
+        finally:
+            kill_group(proc.pid)  # what the child left behind in its group goes with it
+            _CHILDREN.discard(proc.pid)
+            try:
+                proc.wait(5)
+            except subprocess.TimeoutExpired:
+                pass
+        return code, _read(out), _read(err)
+
+
+def _read(f, limit=1 << 20):
+    """The last `limit` bytes a child wrote to `f`, as text."""
+    size = f.seek(0, os.SEEK_END)
+    f.seek(max(0, size - limit))
+    return f.read().decode(errors="replace")
 
 
 def kill_group(pgid):
@@ -73,27 +86,60 @@ def become_subreaper():
         pass
 
 
+def _parents():
+    """{pid: parent pid} of every process we can see in /proc."""
+    found = {}
+    for entry in Path("/proc").iterdir() if Path("/proc").is_dir() else ():
+        if entry.name.isdigit():
+            try:
+                found[int(entry.name)] = int((entry / "stat").read_text().rpartition(")")[2].split()[1])
+            except (OSError, ValueError, IndexError):
+                continue
+    return found
+
+
+def _kill_all(pids):
+    for pid in pids:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass
+    for pid in pids:  # reap those that are our children; the others are reaped by their parents
+        try:
+            os.waitpid(pid, os.WNOHANG)
+        except (ChildProcessError, OSError):
+            pass
+
+
+def kill_descendants(root, keep=(), rounds=20):
+    """Kill every process below `root` (not `root` itself), and, in a subreaper
+    (`become_subreaper`), every child of this process not in `keep` (an orphan of ours
+    re-parented here), listing /proc again until nothing is left: a process may fork
+    while we kill its parent. Returns how many were killed."""
+    me, killed = os.getpid(), 0
+    for _ in range(rounds):
+        parents = _parents()
+        below, frontier = set(), {root} if root else set()
+        if any(_SUBREAPER):
+            frontier |= {p for p, parent in parents.items() if parent == me and p not in keep and p != root}
+            below |= frontier - {root}
+        while frontier:
+            frontier = {p for p, parent in parents.items() if parent in frontier and p not in below}
+            below |= frontier
+        if not below:
+            break
+        _kill_all(below)
+        killed += len(below)
+    return killed
+
+
 def kill_leftovers():
     """Kill every process still parented to this one (after `become_subreaper`: every
     process the grade started, however it detached), and reap them. Returns how many;
     nothing is done in a process that is not a subreaper (grader.main run by the tests)."""
     if not any(_SUBREAPER):
         return 0
-    me, found = os.getpid(), []
-    for entry in Path("/proc").iterdir() if Path("/proc").is_dir() else ():
-        try:
-            stat = (entry / "stat").read_text()
-            if entry.name.isdigit() and int(stat.rpartition(")")[2].split()[1]) == me:
-                found.append(int(entry.name))
-        except (OSError, ValueError, IndexError):
-            continue
-    for pid in found:
-        try:
-            os.kill(pid, signal.SIGKILL)
-            os.waitpid(pid, 0)
-        except (ProcessLookupError, ChildProcessError, PermissionError):
-            pass
-    return len(found)
+    return kill_descendants(None)
 
 
 def exit_name(code):

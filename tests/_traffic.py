@@ -28,7 +28,8 @@ def measure(module, name, *args, **kwargs):
     if not _env.INTERPRET:
         return None, None
     if isinstance(module, TreeModule):
-        return module._worker.call(module._tree, module._stem, name, args, kwargs, traffic=True)
+        return module._worker.call(module._tree, module._stem, name, args, kwargs, traffic=True,
+                                   contract=module._contract)
     return measure_here(getattr(module, name), flatten_tensors((args, kwargs)), *args, **kwargs)
 
 

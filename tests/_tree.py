@@ -50,6 +50,15 @@ def load_drill(tree, stem):
     return module
 
 
+def parameters(stem):
+    """{function: its parameter names, in order} of the reference solutions/<stem>.py
+    (read from the source, not imported: the test process runs no tree's code)."""
+    import ast
+    tree = ast.parse((ROOT / "solutions" / f"{stem}.py").read_text())
+    return {node.name: tuple(a.arg for a in node.args.posonlyargs + node.args.args + node.args.kwonlyargs)
+            for node in tree.body if isinstance(node, ast.FunctionDef)}
+
+
 def load_front():
     """grader.py as a module (its commands called in process, by the tests)."""
     spec = importlib.util.spec_from_file_location("drills_grader_front", ROOT / "grader.py")

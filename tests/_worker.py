@@ -1,35 +1,49 @@
 """The learner's code runs in a process of its own. Names no drill.
 
 The tests, the checks and the report stay in the test process; a tree's module is
-imported only in a worker process, and the tests call it through `TreeModule`, a
-proxy whose attribute calls are sent to the worker. So the learner's file cannot
-reach what grades it (rebind the checks, hook pytest, write the report), and a
-learner's crash, abort or endless loop costs one test, not the drill: the worker
-is killed or dies, the test fails saying so, and the next call starts a new one.
+imported only in a worker, and the tests call it through `TreeModule`, a proxy whose
+attribute calls are sent to the worker. A learner's crash, abort or endless loop costs
+one test, not the drill: the worker is killed or dies, the test fails saying so, and
+the next call starts a new one.
 
-Tensors travel as shared memory (torch.multiprocessing: a CPU storage moves into
-shared memory in place, a CUDA one goes by IPC handle), with each view's offset
-and strides, so the learner's writes land in the test's own buffers, guard regions
-included. A returned tensor that is one of the arguments (an `out=`) comes back as
-that very argument.
+The worker is what design.md's boundary asks for:
+- **A fresh process.** `python -I` exec'd anew (not a fork of the test process, nor a
+  multiprocessing child: no authkey, no resource sharer), with an allow-listed
+  environment (`_ENV_KEEP`: no secrets), in a session of its own, holding no
+  descriptor but its channel (a socketpair made before it starts), its output going to
+  a file. It dies with the test process (Linux's parent-death signal).
+- **Confined before the import.** It imports torch, Triton and the few machinery
+  modules it runs, then enters tests/_sandbox.py's Landlock and seccomp confinement
+  (reads only the Python install, system libraries, the trees it serves, its scratch
+  folder and the device; writes only its scratch folder), then drops tests/ from its
+  path; only then is a learner's module imported.
+- **Data, never code.** tests/_channel.py: the call goes out as shared copies of its
+  tensors' storages; the reply comes back as plain data read by tests/_data.py.
+- **Checks read private memory.** The test's own tensors are never shared; after the
+  reply the written storages are copied back once and the read-only ones compared,
+  so an input the worker changed fails the test (`InputChanged`).
+- **Nothing outlives a test.** After each test the plugin ends every process the
+  worker started (`end_strays`); the worker itself serves one drill's test module
+  (a fresh interpreter costs 2 s of imports: one per test would double the suite)
+  and is replaced after a crash, a time-out or a fatal GPU error.
 
-The worker confines itself with Linux Landlock (tests/_sandbox.py) before it imports
-the learner's module: from then on it may write only its scratch folder, and it cannot
-reach (ptrace, read the memory of, signal) any process outside its sandbox. Under the
-interpreter the fork server it is forked from is confined the same way first, so a
-worker cannot ask it for an unconfined process either. What it sends back is read as
-data (tests/_data.py), and each reply says how many Triton kernels the call launched
-(tests/_launches.py). Where Landlock is missing, `SANDBOX` says so and the grade warns.
+What the worker counts (Triton launches, tests/_launches.py; the bytes its kernels
+move, tests/_counting.py) is counted beside the learner's code: its own word, which
+teaches an honest learner and binds nobody.
 
 DRILLS_ISOLATE=0 runs the module in the test process instead (handy with a
 debugger); the grade always isolates.
 """
 import atexit
 import io
-import multiprocessing
+import json
 import os
+import pickle
+import select
 import shutil
 import signal
+import socket
+import subprocess
 import sys
 import tempfile
 import time
@@ -37,33 +51,25 @@ import traceback
 from pathlib import Path
 
 import torch
-import torch.multiprocessing as mp
 
+import _channel
 import _data
 import _sandbox
-from _paged import fence, fences_of, unfence
-from _process import die_with_parent
+from _process import _CHILDREN, die_with_parent, kill_descendants
 
 ISOLATE = os.environ.get("DRILLS_ISOLATE", "1") != "0"
 # Seconds of the learner's code one test (or hypothesis example) may use (DRILLS_TIMEOUT;
 # make grade TIMEOUT=...).
 TIMEOUT = float(os.environ.get("DRILLS_TIMEOUT", "60"))
+BOOT_TIMEOUT = 600  # seconds a worker may take to import torch and Triton (a cold disk is slow)
 
-# Under the CPU interpreter a worker is forked from a fork server that has already
-# imported torch (a few ms a worker instead of 2 s for a fresh interpreter). The
-# server is itself a fresh interpreter, started once, so a worker inherits nothing of
-# the test process (no report key, no checks). On a GPU each worker is spawned: a
-# process that forks after CUDA is initialised cannot use it, and there are few.
-_START_METHOD = "forkserver" if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0") else "spawn"
-if _START_METHOD == "forkserver":
-    # Python 3.11's fork server ignores our sys.path, and skips silently what it cannot
-    # import: torch and Triton by name from site-packages, and _forkserver (which confines
-    # the server) through the PYTHONPATH the first Worker.start sets.
-    mp.set_forkserver_preload(["torch", "triton", "torch.multiprocessing", "_forkserver"])
-
-# Landlock's ABI on this kernel (0: none, and the grade is not tamper-proof here).
-LANDLOCK_ABI = _sandbox.abi()
-SANDBOX = f"landlock ABI {LANDLOCK_ABI}" if LANDLOCK_ABI else "none"
+SANDBOX = _sandbox.describe()
+TESTS = str(Path(__file__).resolve().parent)
+# The environment a worker gets: what Python, the C library, CUDA and Triton read, and the
+# drills' own variables. Nothing else of the grader's (tokens, keys, SSH_AUTH_SOCK).
+_ENV_KEEP = ("PATH", "LANG", "LANGUAGE", "TZ", "LD_LIBRARY_PATH", "OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS",
+             "MKL_NUM_THREADS", "OPENBLAS_CORETYPE", "OPENBLAS_L2_SIZE", "DRILLS_KERNELS")
+_ENV_PREFIXES = ("LC_", "CUDA_", "NVIDIA_", "TRITON_")
 _SCRATCH = []  # the folder every worker's scratch folder lives in (made on first use)
 
 
@@ -71,10 +77,8 @@ def _scratch_root():
     if not _SCRATCH:
         _SCRATCH.append(tempfile.mkdtemp(prefix="drills-sandbox-"))
         atexit.register(shutil.rmtree, _SCRATCH[0], ignore_errors=True)
-        os.environ["DRILLS_SANDBOX_ROOT"] = _SCRATCH[0]
-        tests = str(Path(__file__).resolve().parent)
-        os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (tests, os.environ.get("PYTHONPATH")) if p)
     return _SCRATCH[0]
+
 
 # Exceptions whose type means something to the tests come back as that type;
 # anything else comes back as LearnerError (so an AssertionError raised by the
@@ -96,104 +100,187 @@ class LearnerTimeout(Exception):
     """The learner's code ran past the time one test may use."""
 
 
+class InputChanged(AssertionError):
+    """The learner's code changed a tensor the function only reads."""
+
+
 # ---------------------------------------------------------------------------
 # The test-process side
 
 
 class Worker:
-    """One worker process, started on first use and again after it dies."""
+    """One worker process, started on first use (or by `prepare`) and again after it
+    dies. `readable`: the folders it may read besides its own (the trees it serves);
+    `preload`: modules of ours it imports before it is confined (what a drill's
+    arguments are made of, e.g. a class of the drill's cases)."""
 
-    def __init__(self):
-        self.proc = None
-        self.conn = None
-        self.scratch = None
+    def __init__(self, readable=(), preload=()):
+        self.readable, self.preload = {str(p) for p in readable}, tuple(preload)
+        self.proc = self.sock = self.scratch = None
+        self.ready = False
         self.budget = TIMEOUT  # seconds left to the current test (reset per test by the plugin)
         self.calls = {}        # this test's calls that returned: {function name: (calls, kernels launched)}
         WORKERS.append(self)
 
+    def prepare(self, readable=(), preload=()):
+        """Start the worker now (it boots while the tests go on) for these trees."""
+        wanted = self.readable | {str(p) for p in readable}
+        preload = tuple(dict.fromkeys(self.preload + tuple(preload)))
+        if wanted != self.readable or preload != self.preload:
+            self.stop()
+            self.readable, self.preload = wanted, preload
+        if self.proc is None or self.proc.poll() is not None:
+            self.stop()
+            self.start()
+
     def start(self):
-        self.scratch = tempfile.mkdtemp(prefix="worker-", dir=_scratch_root())
-        ctx = mp.get_context(_START_METHOD)
-        self.conn, child = ctx.Pipe()
-        self.proc = ctx.Process(target=_serve, args=(child, sys.path, self.scratch), daemon=True,
-                                name="drills-worker")
-        self.proc.start()
-        child.close()
+        root = _scratch_root()
+        self.scratch = tempfile.mkdtemp(prefix="worker-", dir=root)
+        ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+        env = {k: v for k, v in os.environ.items() if k in _ENV_KEEP or k.startswith(_ENV_PREFIXES)}
+        for name, sub in (("HOME", "."), ("TMPDIR", "."), ("TRITON_CACHE_DIR", "triton"), ("TRITON_HOME", "."),
+                          ("CUDA_CACHE_PATH", "nv")):
+            env[name] = os.path.normpath(os.path.join(self.scratch, sub))
+        env["HF_HUB_OFFLINE"] = "1"
+        config = dict(fd=theirs.fileno(), scratch=self.scratch, readable=sorted(self.readable),
+                      preload=list(self.preload), parent=os.getpid())
+        self.log = open(os.path.join(root, os.path.basename(self.scratch) + ".log"), "w+b")
+        boot = "import sys; sys.path.insert(0, sys.argv[1]); import _worker; _worker.serve(sys.argv[2])"
+        try:
+            self.proc = subprocess.Popen([sys.executable, "-I", "-B", "-c", boot, TESTS, json.dumps(config)],
+                                         pass_fds=(theirs.fileno(),), stdin=subprocess.DEVNULL, stdout=self.log,
+                                         stderr=self.log, cwd=self.scratch, env=env, start_new_session=True)
+        finally:
+            theirs.close()
+        self.sock, self.ready = ours, False
 
     def stop(self):
         if self.proc is not None:
-            if self.proc.is_alive():
+            kill_descendants(self.proc.pid)
+            if self.proc.poll() is None:
                 self.proc.kill()
-            self.proc.join(5)
-            self.conn.close()
+            try:
+                self.proc.wait(5)
+            except subprocess.TimeoutExpired:
+                pass
+            self.sock.close()
+            self.log.close()
         if self.scratch:
             shutil.rmtree(self.scratch, ignore_errors=True)
-        self.proc = self.conn = self.scratch = None
+        self.proc = self.sock = self.scratch = None
+        self.ready = False
 
-    def _receive(self):
-        """The next message, read as data: a reply that names anything else is refused."""
-        payload = self.conn.recv_bytes()
-        try:
-            return _data.loads(payload)
-        except _data.NotData as error:
-            self.stop()  # what it sent may hold file descriptors or handles we did not take
-            raise LearnerError(f"your code sent back something that is not data ({error}); return tensors, "
-                               f"numbers, strings, None, or tuples, lists and dicts of these") from None
+    def _receive(self, wait):
+        """The next message within `wait` seconds (None if none came), read as data."""
+        ready, _, _ = select.select([self.sock], [], [], max(wait, 0))
+        if not ready:
+            return None
+        payload, _ = _channel.recv(self.sock)
+        return payload
 
-    def call(self, tree, stem, name, args, kwargs, traffic=False):
-        """name(*args, **kwargs) of the tree's module, run in the worker. With traffic=True,
-        run it with its kernels' loads and stores counted (tests/_counting.py) and return
-        (result, Traffic): the counting happens in the worker, where the kernels run."""
-        if self.proc is None or not self.proc.is_alive():
-            self.stop()
-            self.start()
-        flat = flatten_tensors((args, kwargs))
+    def _boot(self):
+        """Wait (bounded, outside the learner's time) until the worker is confined and ready."""
         started = time.monotonic()
+        while not self.ready:
+            try:
+                payload = self._receive(BOOT_TIMEOUT - (time.monotonic() - started))
+            except (EOFError, OSError):
+                payload = None
+            message = _data.loads(payload) if payload is not None else None
+            if message is None or message[0] != "ready":
+                tail = self._log_tail()
+                self.stop()
+                reason = message[1] if message else f"it ended or did not answer in {BOOT_TIMEOUT} s"
+                raise LearnerCrash(f"the worker process could not start: {reason}" + (f"\n{tail}" if tail else ""))
+            self.ready = True
+
+    def _log_tail(self):
+        self.log.flush()
+        self.log.seek(0)
+        return self.log.read().decode(errors="replace")[-2000:].strip()
+
+    def call(self, tree, stem, name, args, kwargs, traffic=False, contract=None):
+        """name(*args, **kwargs) of the tree's module, run in the worker. `contract` is
+        {function: (parameter names, names it writes)}; an argument it does not write
+        must come back unchanged. With traffic=True, run it with its kernels' loads and
+        stores counted (tests/_counting.py) and return (result, Traffic)."""
+        if not _covers(self.readable, tree) or self.proc is None or self.proc.poll() is not None:
+            self.prepare(readable=[tree])
+        self._boot()
+        names, writes = (contract or {}).get(name, ((), ()))
+        sharing = _channel.Sharing()
         try:
-            self.conn.send(("call", str(tree), stem, name, args, kwargs, traffic, fences_of(flat)))
-        except (BrokenPipeError, ConnectionResetError, EOFError):
+            request = pickle.dumps(("call", str(tree), stem, name, traffic,
+                                    sharing.pickle_args(args, kwargs, names, writes)))
+            return self._exchange(name, request, sharing, traffic)
+        finally:
+            sharing.close()
+
+    def _exchange(self, name, request, sharing, traffic):
+        started, phase = time.monotonic(), "starting"
+        try:
+            _channel.send(self.sock, request, sharing.fds)
+        except OSError:
             self.stop()
             raise LearnerCrash(f"the process running your code died before {name}() was called")
-        phase = "starting"
         while True:
             left = self.budget - (time.monotonic() - started)
-            if left <= 0 or not self.conn.poll(left):
+            try:
+                payload = self._receive(left) if left > 0 else None
+                message = None if payload is None else _data.loads(payload, sharing.view)
+            except _data.NotData as error:
+                self.stop()
+                raise LearnerError(f"your code sent back something that is not data ({error}); return tensors, "
+                                   f"numbers, strings, None, or tuples, lists and dicts of these") from None
+            except (EOFError, OSError):
+                code = self._exit_code()
+                sharing.collect()
+                self.stop()
+                where = "at import of your module" if phase == "importing your module" else f"in {phase}"
+                raise LearnerCrash(f"the process running your code ended {where} ({code}): usually a read or "
+                                   f"write far outside a tensor, or os._exit / a fatal error in your file")
+            if message is None:
                 self.stop()
                 self.budget = 0
                 raise LearnerTimeout(f"your code ran past the {TIMEOUT:.0f} s this test allows it, in {phase} "
                                      f"(an endless loop? a huge grid?); the process was stopped "
                                      f"(DRILLS_TIMEOUT / make grade TIMEOUT=... sets the limit)")
-            try:
-                message = self._receive()
-            except (EOFError, ConnectionResetError, OSError):
-                code = self._exit_code()
+            if not (isinstance(message, tuple) and message and message[0] in ("phase", "ok", "error")):
                 self.stop()
-                where = ("at import of your module" if phase == "importing your module"
-                         else f"in {phase}")
-                raise LearnerCrash(f"the process running your code ended {where} ({code}): usually a read or "
-                                   f"write far outside a tensor, or os._exit / a fatal error in your file")
+                raise LearnerError("your code's process sent back a message out of order")
             if message[0] == "phase":
-                phase = message[1]
+                phase = str(message[1])
                 continue
             break
         self.budget -= time.monotonic() - started
-        kind, payload, out, err, launched = message
+        return self._reply(name, message, sharing, traffic)
+
+    def _reply(self, name, message, sharing, traffic):
+        if len(message) != 6 or type(message[4]) is not int:
+            self.stop()
+            raise LearnerError("your code's process sent back a malformed reply")
+        kind, payload, out, err, launched, fatal = message
+        changed = sharing.collect()  # the one copy of what the worker wrote, before anything reads it
         if kind == "ok":
             calls, kernels = self.calls.get(name, (0, 0))
             self.calls[name] = (calls + 1, kernels + int(launched))
         if out:
-            sys.stdout.write(out)
+            sys.stdout.write(str(out))
         if err:
-            sys.stderr.write(err)
+            sys.stderr.write(str(err))
+        if fatal:
+            self.stop()
+        if changed:
+            raise InputChanged(f"{name}() changed {', '.join(changed)}, which it only reads: the caller's "
+                               f"tensors must come back as they were passed")
         if kind == "ok":
             if traffic:
                 import _counting
                 result, counts = payload
-                return _by_value(result, flat), _counting.Traffic.from_data(counts)
-            return _by_value(payload, flat)
-        type_name, text, where, fatal = payload
+                return result, _counting.Traffic.from_data(counts)
+            return payload
+        type_name, text, where = payload
         if fatal:
-            self.stop()
             error = LearnerCrash(f"{type_name}: {text}")
         elif type_name in _KEEP_TYPES:
             error = _KEEP_TYPES[type_name](text)
@@ -203,10 +290,11 @@ class Worker:
         raise error
 
     def _exit_code(self):
-        self.proc.join(2)
-        code = self.proc.exitcode
-        if code is None:
+        try:
+            self.proc.wait(2)
+        except subprocess.TimeoutExpired:
             return "still running"
+        code = self.proc.returncode
         if code < 0:
             try:
                 return f"killed by {signal.Signals(-code).name}"
@@ -228,6 +316,32 @@ def reset_all(budget=TIMEOUT, calls=False):
             worker.calls = {}
 
 
+def calls_made():
+    """{function name: (calls, kernels launched)} of this test, over every worker."""
+    merged = {}
+    for worker in WORKERS:
+        for name, (calls, kernels) in worker.calls.items():
+            c, k = merged.get(name, (0, 0))
+            merged[name] = (c + calls, k + kernels)
+    return merged
+
+
+def end_strays():
+    """End every process the workers started, and every orphan of theirs that was
+    re-parented to this process (a double fork), keeping the workers themselves and the
+    children the machinery started (tests/_process.py)."""
+    keep = {w.proc.pid for w in WORKERS if w.proc is not None} | set(_CHILDREN)
+    for worker in WORKERS:
+        if worker.proc is not None:
+            kill_descendants(worker.proc.pid, keep)
+    kill_descendants(None, keep)
+
+
+def _covers(folders, tree):
+    tree = os.path.realpath(tree)
+    return any(tree == f or tree.startswith(f.rstrip(os.sep) + os.sep) for f in map(os.path.realpath, folders))
+
+
 def stop_all():
     for worker in WORKERS:
         worker.stop()
@@ -237,15 +351,16 @@ class TreeModule:
     """What the `drill` fixture hands a test: the drill module of one tree, every
     attribute a function that runs in a worker (by default the learner's)."""
 
-    def __init__(self, tree, stem, worker=None):
+    def __init__(self, tree, stem, worker=None, contract=None):
         self._tree, self._stem, self._worker = str(tree), stem, worker or WORKER
+        self._contract = contract or {}
 
     def __getattr__(self, name):
         if name.startswith("_"):  # a drill's API is public; hypothesis asks for _repr_pretty_
             raise AttributeError(name)
 
         def call(*args, **kwargs):
-            return self._worker.call(self._tree, self._stem, name, args, kwargs)
+            return self._worker.call(self._tree, self._stem, name, args, kwargs, contract=self._contract)
         call.__name__ = name
         return call
 
@@ -253,11 +368,14 @@ class TreeModule:
         return f"<{self._stem} of {self._tree}, run in a worker process>"
 
 
-def tree_module(tree, stem):
-    """The drill module of `tree`: in a worker (the default), or imported here."""
+def tree_module(tree, stem, contract=None, readable=(), preload=()):
+    """The drill module of `tree`: in a worker (the default; started now, so that it boots
+    while the tests go on), or imported here."""
+    from _tree import load_drill, tree_path
+    tree = tree_path(str(tree))
     if ISOLATE:
-        return TreeModule(tree, stem)
-    from _tree import load_drill
+        WORKER.prepare(readable=[tree, *readable], preload=preload)
+        return TreeModule(tree, stem, contract=contract)
     return load_drill(str(tree), stem)
 
 
@@ -272,116 +390,80 @@ def flatten_tensors(obj):
     return []
 
 
-class _Arg:
-    """Stands, in a reply, for the i-th tensor argument (a returned `out`)."""
-
-    def __init__(self, index):
-        self.index = index
-
-
-def _by_value(obj, flat):
-    if isinstance(obj, _Arg):
-        return flat[obj.index]
-    if isinstance(obj, torch.Tensor) and obj.is_cuda:
-        # A new CUDA tensor arrives by IPC and stays the worker's memory: torch will not send
-        # it on (a test that hands one result back to the learner's next call), and it dies
-        # with the worker. A copy of our own is neither.
-        return obj.clone()
-    if isinstance(obj, tuple):
-        return tuple(_by_value(x, flat) for x in obj)
-    if isinstance(obj, list):
-        return [_by_value(x, flat) for x in obj]
-    return obj
-
-
-def _by_reference(obj, flat):
-    if isinstance(obj, torch.Tensor):
-        for i, t in enumerate(flat):
-            if (t.data_ptr() == obj.data_ptr() and t.shape == obj.shape and t.stride() == obj.stride()
-                    and t.dtype == obj.dtype and t.device == obj.device):
-                return _Arg(i)
-        return obj
-    if isinstance(obj, tuple):
-        return tuple(_by_reference(x, flat) for x in obj)
-    if isinstance(obj, list):
-        return [_by_reference(x, flat) for x in obj]
-    return obj
-
-
 # ---------------------------------------------------------------------------
 # The worker side
 
 
-def _enter_sandbox(scratch):
-    """Everything this process writes goes to `scratch` from now on; then Landlock holds
-    it there (where the kernel has Landlock)."""
-    for name, sub in (("TRITON_CACHE_DIR", "triton"), ("TRITON_HOME", "."), ("CUDA_CACHE_PATH", "nv"),
-                      ("TMPDIR", "."), ("HOME", ".")):
-        os.environ[name] = os.path.normpath(os.path.join(scratch, sub))
-    tempfile.tempdir = scratch
-    multiprocessing.current_process()._config.pop("tempdir", None)  # the fork server's, outside scratch
-    if LANDLOCK_ABI:
-        _sandbox.confine(scratch)
-
-
-def _serve(conn, path, scratch):
+def serve(config):
+    """The worker's life: imports, confinement, then calls until the channel closes."""
+    config = json.loads(config)
     die_with_parent()
-    sys.path[:] = path
-    _enter_sandbox(scratch)
+    if os.getppid() != config["parent"]:  # the test process died before we could ask to die with it
+        os._exit(0)
+    sock = socket.socket(fileno=config["fd"])
+    scratch = config["scratch"]
+    tempfile.tempdir = scratch
+    import importlib
+
     import _env  # noqa: F401  -- the same CPU-interpreter-or-GPU decision as the test process
     import _launches
+    import triton  # noqa: F401
     from _tree import load_drill
-
+    if _env.INTERPRET:
+        import _counting  # noqa: F401  -- numpy and the interpreter's hooks, imported while tests/ is readable
+    for module in config["preload"]:
+        importlib.import_module(module)
     launched = _launches.install()
-
+    try:
+        if SANDBOX != "none":
+            _sandbox.confine(scratch, readable=config["readable"])
+    except (OSError, RuntimeError) as error:
+        _channel.send(sock, _channel.pickle_reply(("refused", f"the sandbox could not be entered: {error}"), {}))
+        return
+    sys.path.remove(TESTS)  # the machinery is loaded; the learner's code cannot read tests/ from here on
+    _channel.send(sock, _channel.pickle_reply(("ready", SANDBOX), {}))
     while True:
         try:
-            request = conn.recv()
+            payload, fds = _channel.recv(sock, take_fds=True)
         except (EOFError, OSError):
             return
-        _, tree, stem, name, args, kwargs, traffic, fences = request
-        fatal = False
-        before, fenced = launched(), []
+        _, tree, stem, name, traffic, call = pickle.loads(payload)
+        args, kwargs, storages = _channel.unpickle_request(call, fds)
+        fatal, before, result = False, launched(), None
         with _Captured() as captured:
             try:
-                conn.send(("phase", "importing your module"))
+                _channel.send(sock, _channel.pickle_reply(("phase", "importing your module"), {}))
                 module = load_drill(tree, stem)
                 if not hasattr(module, name):
                     raise AttributeError(f"{tree}/{stem}.py defines no {name}(): was it renamed or deleted? "
                                          f"(make reset DRILL=... restores the stub; your file is backed up first)")
-                conn.send(("phase", f"{name}()"))
-                fenced = fence(flatten_tensors((args, kwargs)), fences)
+                _channel.send(sock, _channel.pickle_reply(("phase", f"{name}()"), {}))
                 if traffic:
-                    # The counters live in this process, beside the learner's code: a hostile
-                    # file could patch the interpreter, tests/_counting.py or numpy here and
-                    # report what it likes, or do its work in PyTorch ops we never see (the
-                    # report then says fewer bytes than the op needs). What it cannot do is
-                    # touch the test process's checks: it only chooses the numbers it sends. So a
-                    # file that fakes its counts can pass a forbidden-read test and show a good
-                    # traffic line; the value checks, made in the test process, it cannot pass.
-                    import _counting  # numpy and Triton's interpreter hooks: only when counting
+                    # The counters live here, beside the learner's code: its own word, which the
+                    # value checks (made in the test process, from private copies) never rely on.
+                    import _counting
                     result, counts = _counting.measure_here(getattr(module, name), flatten_tensors((args, kwargs)),
                                                            *args, **kwargs)
+                    result = (result, counts and counts.to_data())
                 else:
                     result = getattr(module, name)(*args, **kwargs)
                 if torch.cuda.is_available() and torch.cuda.is_initialized():
                     torch.cuda.synchronize()
-                reply = ("ok", _by_reference(result, flatten_tensors((args, kwargs))))
-                if traffic:
-                    reply = ("ok", (reply[1], counts and counts.to_data()))
+                reply = ("ok", result)
             except BaseException as error:  # the learner's code may raise anything, SystemExit included
                 text = str(error)
                 fatal = _is_cuda_fatal(text)
                 if isinstance(error, FileNotFoundError):
                     text += " (make reset DRILL=... restores the stub)"
-                reply = ("error", (type(error).__name__, text, _where(error, tree), fatal))
-        unfence(fenced)  # the storages may come back in a later call
+                reply = ("error", (type(error).__name__, text, _where(error, tree)))
         try:
-            conn.send((*reply, captured.out, captured.err, launched() - before))
+            data = _channel.pickle_reply((*reply, captured.out, captured.err, launched() - before, fatal), storages)
         except Exception as error:  # e.g. a result that cannot be pickled
-            conn.send(("error", (type(error).__name__, f"the result of {name}() could not be sent back: {error}",
-                                 None, False), captured.out, captured.err, 0))
-        del request, args, kwargs, reply
+            data = _channel.pickle_reply(("error", (type(error).__name__, f"the result of {name}() could not be "
+                                                    f"sent back: {error}", None), captured.out, captured.err, 0,
+                                          fatal), {})
+        _channel.send(sock, data)
+        del args, kwargs, storages, reply, result
         if fatal:
             os._exit(3)  # a CUDA error leaves the context unusable: let the next call start afresh
 

@@ -63,4 +63,5 @@ def variant(drill, name):
     where = folder() / drill.id / name
     if not (where / f"{drill.stem}.py").exists():
         plant(drill, name, where)
-    return TreeModule(where, drill.stem, _VARIANTS)
+    _VARIANTS.prepare(readable=[folder()], preload=drill.preload)  # one worker serves every variant
+    return TreeModule(where, drill.stem, _VARIANTS, contract=drill.contract)

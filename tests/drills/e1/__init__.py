@@ -28,6 +28,8 @@ DRILL = Drill(
     **PLANTED.fields(),
     title="A paged engine on your kernels",
     mirrors="vLLM V1 engine core / nano-vllm (scheduler, block manager, model runner)",
+    writes={"generate": ("kernels",)},
+    preload=("drills.e1.cases",),  # its models, Recorder and AttentionSpy are pickled into the worker
     api=("generate", "replay_block_manager"),
     torch_only=("replay_block_manager",),
     test_shapes=TEST_SHAPES,

@@ -19,6 +19,7 @@ from .checks import check_append, check_batch_indices_positions, check_csr, name
 
 DRILL = Drill(
     **PLANTED.fields(), title="FlashInfer's CSR page table", mirrors="FlashInfer append_paged_kv_cache",
+    writes={"append_paged_kv_cache": ("paged_kv_cache",)},
     api=("block_table_to_csr", "batch_indices_positions", "append_paged_kv_cache_kernel", "append_paged_kv_cache"),
     torch_only=("block_table_to_csr", "batch_indices_positions"),
     test_shapes=TEST_SHAPES,

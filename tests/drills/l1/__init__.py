@@ -31,6 +31,7 @@ DRILL = Drill(
     **PLANTED.fields(),
     title="Paged KV-cache write",
     mirrors="vLLM reshape_and_cache_flash",
+    writes={"reshape_and_cache": ("k_cache", "v_cache")},
     api=("slot_mapping", "reshape_and_cache_kernel", "reshape_and_cache"),
     torch_only=("slot_mapping",),
     test_shapes=TEST_SHAPES,

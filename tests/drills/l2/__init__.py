@@ -30,6 +30,7 @@ DRILL = Drill(
     **PLANTED.fields(),
     title="Paged decode attention",
     mirrors="vLLM paged attention v1 / Triton decode",
+    writes={"paged_decode_attention": ("out",)},
     api=("paged_decode_kernel", "paged_decode_attention"),
     test_shapes=TEST_SHAPES,
     bench=BENCH,

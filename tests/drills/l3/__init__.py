@@ -23,6 +23,7 @@ DRILL = Drill(
     **PLANTED.fields(),
     title="Chunked-prefill attention",
     mirrors="vLLM unified attention (2-D path)",
+    writes={"paged_prefill_attention": ("out",)},
     api=("paged_prefill_kernel", "paged_prefill_attention"),
     test_shapes=TEST_SHAPES,
     bench=BENCH,

@@ -35,6 +35,7 @@ DRILL = Drill(
     **PLANTED.fields(),
     title="Split-KV decode attention",
     mirrors="vLLM paged attention v2 / unified attention's 3-D path, FlashInfer merge_state",
+    writes={"paged_decode_attention_split": ("out",)},
     api=("merge_states_kernel", "merge_attention_states", "split_kv_kernel", "default_num_splits",
          "paged_decode_attention_split"),
     test_shapes=TEST_SHAPES,

@@ -36,6 +36,7 @@ DRILL = Drill(
     title="FP8 KV cache",
     mirrors="vLLM reshape_and_cache_flash (kv_cache_dtype=\"fp8\") and unified attention's fp8 path, FlashInfer "
             "decode with k_scale / v_scale",
+    writes={"reshape_and_cache_fp8": ("k_cache", "v_cache"), "paged_decode_attention_fp8": ("out",)},
     api=("reshape_and_cache_fp8_kernel", "reshape_and_cache_fp8", "merge_states_kernel", "split_kv_fp8_kernel",
          "default_num_splits", "paged_decode_attention_fp8"),
     test_shapes=TEST_SHAPES,

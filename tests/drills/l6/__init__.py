@@ -28,6 +28,7 @@ DRILL = Drill(
     **PLANTED.fields(),
     title="Cascade attention",
     mirrors="vLLM cascade_attention (FlashAttention backend), FlashInfer MultiLevelCascadeAttentionWrapper",
+    writes={"cascade_attention": ("out",)},
     api=("cascade_prefix_len", "prefix_kernel", "suffix_kernel", "cascade_attention"),
     test_shapes=TEST_SHAPES,
     bench=BENCH,
