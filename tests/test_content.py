@@ -89,6 +89,24 @@ def test_track_map_links_every_drill_in_order():
     assert "(content/README.md)" in readme, "README.md does not link the track map"
 
 
+def test_track_map_states_what_the_code_does():
+    """content/README.md: a bench row for every drill, the picture column as the drills'
+    own `picture` parts say, and the tiers of the bandwidth report and the traffic line."""
+    import _bench
+    import _traffic
+    text = (ROOT / "content" / "README.md").read_text()
+    benched = re.findall(r"^\| (\w+) \| .* \| .* \|$", text.split("## 每道题的 bench 和谁比")[1].split("\n## ")[0], re.M)
+    assert [b for b in benched if b not in ("题目", "---")] == [d.id.upper() for d in DRILLS]
+    pictures = dict(re.findall(r"^\| \d+ \| \[\w+ · .*?\]\((\w+)\.md\) \|.*\| (有|—) \|$", text, re.M))
+    assert pictures == {d.id: ("有" if d.picture is not None else "—") for d in DRILLS}
+    assert f"不超过 {_traffic.ROOFLINE}× 是 “at the roofline”，不超过 {_traffic.FAIR}× 是 “fair”，再多是 “wasteful”" in text
+    assert "读或写不到最少字节数的 0.95 倍" in text and "min(loads, stores) < 0.95" in (ROOT / "tests" / "_traffic.py").read_text()
+    assert ("E1 没有 traffic 行" in text) == all(d.traffic is None for d in DRILLS if d.id == "e1")
+    tiers = "，".join(f"{round(100 * share)} % 以上{'是' if i == 0 else ''} “{name}”"
+                     for i, (share, name) in enumerate(_bench.TIERS[:-1]))
+    assert f"天花板的 {tiers}，再低是 “{_bench.TIERS[-1][1]}”" in text
+
+
 def test_section_references_point_at_real_sections():
     sources = [*ROOT.glob("mine/*.py"), *ROOT.glob("solutions/*.py"), *ROOT.glob("tests/*.py"),
                *ROOT.glob("content/*.md")]

@@ -92,9 +92,23 @@ def check_traffic_line(text):
     p = TRAFFIC_CASE
     assert (p["num_seqs"], p["context"], p["num_heads"], p["num_kv_heads"], p["head_size"], p["num_splits"]) == \
         (2, 200, 8, 2, 32, 4) and "H_q = 8、H_kv = 2、D = 32、分 4 段" in text
-    check_page_line(text, "l5", traffic(load_drill("solutions", "l5_fp8_kv_cache")))
+    result = traffic(load_drill("solutions", "l5_fp8_kv_cache"))
+    check_page_line(text, "l5", result)
+    # The scales: each (sequence, KV head, split) program loads its KV head's two fp32 scales.
+    programs, fewest = p["num_seqs"] * p["num_kv_heads"] * p["num_splits"], 2 * 4 * p["num_kv_heads"]
+    assert f"{programs} 个 program 各读 8 字节，合起来 {programs * 8} 字节，最少只要 {fewest} 字节" in section(text, 1)
+    assert result is None or result["parts"]["scales"] * fewest == programs * 8
+
+
+def check_torch_saturation(text):
+    """§3: torch's own e4m3fn cast above 448 differs between versions; the page names what
+    torch 2.13 gives, which this check can see when it runs on torch 2.13."""
+    part = section(text, 3)
+    assert "torch 2.13 却给 448" in part and "torch 2.11 的 `.to(float8_e4m3fn)` 在 464 以上给 NaN" in part
+    if torch.__version__.startswith("2.13"):
+        assert float(torch.tensor([500.0]).to(torch.float8_e4m3fn).float()) == 448.0
 
 
 PAGE_CHECKS = (check_traffic_line, check_worked_example_table, check_format_table, check_interpreter_counts,
-               check_source_dtype_division,
+               check_source_dtype_division, check_torch_saturation,
                check_self_test_quantise, check_self_test_saturation, check_self_test_write_bytes, check_bytes_saved)

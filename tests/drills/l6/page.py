@@ -8,7 +8,7 @@ from _pages import section, self_test
 from _traffic import check_page_line
 from _tree import ROOT, load_drill
 
-from .bench import BENCH, CROSSOVER_BATCHES, CROSSOVER_PREFIXES, cascade_bytes, pass1_flops
+from .bench import BENCH, CROSSOVER_BATCHES, CROSSOVER_PREFIXES, cascade_bytes, cascade_flops, pass1_flops
 from .cases import EXAMPLE, example_case, example_outputs, example_tables
 from .reference import prefix_len_rule
 from .traffic import TRAFFIC_CASE, traffic
@@ -49,6 +49,8 @@ def check_bytes_and_flops(text):
     assert f"合计 {l4} 字节" in sec and f"约是 cascade 的 {l4 / cascade_bytes(**target):.1f} 倍" in sec
     assert f"pass 1 的 FLOPs = 4 × 64 × 32 × 128 × 4096 = {pass1_flops(**target)}" in sec
     assert f"约 {pass1_flops(**target) // (4096 * 4096)} FLOP/字节" in sec
+    # §1's roofline counts both passes' FLOPs (the bench's, and BENCHMARKS.md's roofline).
+    assert f"目标形状两遍共 {cascade_flops(**target)} FLOPs" in section(text, 1)
 
 
 def check_vllm_model(text):
