@@ -5,6 +5,7 @@ import os
 import signal
 import subprocess
 import sys
+import sysconfig
 import time
 from pathlib import Path
 
@@ -209,3 +210,56 @@ def test_a_crash_names_its_pitfall_only_when_every_failure_agrees():
     assert _grading._evidence(l2, [crash]) == ["int32_offsets"]
     assert _grading._evidence(l2, [marked, crash]) == ["int32_offsets"]
     assert _grading._evidence(l2, [unmarked, crash]) == []
+
+
+# --- integrity: what the grade stands on is what it was ------------------------------------
+
+
+def _git(repo, *args):
+    subprocess.run(["git", "-c", "user.name=t", "-c", "user.email=t@t", *args], cwd=repo, check=True,
+                   capture_output=True)
+
+
+def test_integrity_finds_a_new_pth_or_a_changed_file_and_nothing_else(tmp_path):
+    repo, site = tmp_path / "repo", tmp_path / "site-packages"
+    (repo / "tests").mkdir(parents=True)
+    (repo / "mine").mkdir()
+    site.mkdir()
+    (repo / "tests" / "test_x.py").write_text("def test_x(): pass\n")
+    (repo / "mine" / "x.py").write_text("x = 1\n")
+    (repo / ".gitignore").write_text("__pycache__/\n")
+    (site / "ok.pth").write_text("/somewhere\n")
+    _git(repo, "init", "-q")
+    _git(repo, "add", ".")
+    _git(repo, "commit", "-qm", "x")
+
+    def changed_by(change):
+        before = _grading.snapshot(repo, [site])
+        change()
+        return _grading.integrity(repo, before, [site])
+
+    assert changed_by(lambda: None)[0] is True
+    assert _grading.integrity(repo)[0] is True  # the machinery is the committed one
+    # what grading may leave (an ignored cache) is no change
+    assert changed_by(lambda: (repo / "__pycache__").mkdir() or (repo / "__pycache__" / "x.pyc").write_text("."))[0]
+    for change, says in ((lambda: (site / "evil.pth").write_text("import os\n"), "new "),
+                         (lambda: (site / "ok.pth").write_text("import os\n"), "changed "),
+                         (lambda: (site / "sitecustomize.py").write_text("import os\n"), "sitecustomize.py"),
+                         (lambda: (repo / "mine" / "x.py").write_text("x = 2\n"), "changed mine/x.py"),
+                         (lambda: (repo / "tests" / "conftest.py").write_text("\n"), "new tests/conftest.py"),
+                         (lambda: (repo / "mine" / "x.py").unlink(), "removed mine/x.py")):
+        ok, said = changed_by(change)
+        assert ok is False and says in said and said.startswith("changed during grading"), said
+    # the learner's edits in mine/ before the grade are theirs; the machinery must be the committed one
+    (repo / "tests" / "test_x.py").write_text("def test_x(): assert True\n")
+    ok, said = _grading.integrity(repo)
+    assert ok is False and "tests/test_x.py" in said and "conftest" in said
+
+
+def test_integrity_of_this_repository_takes_under_a_second():
+    started = time.monotonic()
+    before = _grading.snapshot()
+    assert _grading.integrity(before=before)[0] is not None
+    assert time.monotonic() - started < 1
+    assert any(path.endswith(".pth") for path in before) or not any(
+        name.endswith(".pth") for name in os.listdir(sysconfig.get_paths()["purelib"]))
