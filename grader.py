@@ -2,25 +2,29 @@
 """Grade a tree of drills: each drill's status, its first failure in plain words,
 and on a GPU the bandwidth report.
 
-    python grader.py                          # grade mine/, every drill
-    python grader.py l1                       # one drill
-    python grader.py --tree solutions         # the reference solutions
-    python grader.py --tree ~/alice/mine --json alice.json   # an instructor
-    python grader.py show|hint|reset|watch|diff l1, python grader.py doctor
-                                              # see tests/_commands.py
+    .venv/bin/python grader.py                    # grade mine/, every drill (= make grade)
+    .venv/bin/python grader.py l1                 # one drill (= make grade DRILL=l1)
+    .venv/bin/python grader.py --tree solutions   # the reference solutions
+    .venv/bin/python grader.py --tree ~/alice/mine --json alice.json   # an instructor
+    .venv/bin/python grader.py show|hint|reset|watch|diff l1, grader.py doctor
+                                                  # see tests/_commands.py
 
 This file is the front: arguments and the top-level flow; tests/_render.py draws
 what the grading run (tests/_grading.py) returns. Each drill runs in a test process of its own and the
 learner's code in a worker process behind it, with a time limit per test, so one
 broken kernel (exception, compile error, hang, crash) costs a test, not the grade.
-Exit status 0 only when every selected drill passes.
+Each drill's lines are printed as soon as it is graded. Exit status: 0 when every
+selected drill passes, 1 when one does not, 2 for a usage error (a drill or tree
+that does not exist).
 """
 import argparse
+import contextlib
 import json
-import os
 import sys
 import tempfile
+import time
 from pathlib import Path
+from types import SimpleNamespace
 
 ROOT = Path(__file__).resolve().parent
 sys.path.insert(0, str(ROOT / "tests"))
@@ -31,7 +35,7 @@ import _grading  # noqa: E402
 import _picture  # noqa: E402
 from _manifest import DRILLS, drill as find_drill  # noqa: E402
 from _process import become_subreaper, kill_leftovers, stop_children_on_signals  # noqa: E402
-from _render import make_console, show  # noqa: E402
+from _render import Printer, cleaned, for_json, make_console  # noqa: E402
 from _tree import default_tree, tree_path  # noqa: E402
 from _worker import SANDBOX  # noqa: E402
 
@@ -54,8 +58,7 @@ def command(argv):
         if argv[0] in ("show", "diff", "watch"):
             tree_path(args.tree)
     except (KeyError, FileNotFoundError) as error:
-        console.print(f"[red]{error.args[0] if isinstance(error, KeyError) else error}[/]")
-        return 2
+        return usage_error(console, error)
     if argv[0] == "show":
         return _picture.show(drill, tree_path(args.tree), console, args.case)
     if argv[0] == "hint":
@@ -65,6 +68,41 @@ def command(argv):
     if argv[0] == "diff":
         return _commands.diff(drill, args.tree, console)
     return _commands.watch(drill, args.tree, lambda: main([drill.id, "--tree", args.tree, "--no-bench"]), console)
+
+
+def usage_error(console, error):
+    """A drill or tree that does not exist: said in red (as text: it holds what was typed), exit status 2."""
+    console.print(str(error.args[0] if isinstance(error, KeyError) else error), style="red", markup=False)
+    return 2
+
+
+def grade_one(drill, tree, args, workdir, spinner, console):
+    """One drill's summary: its tests, and where it fails its picture and (CPU) its traffic
+    line; `seconds` is the wall time the learner waited for all of it."""
+    started = time.monotonic()
+    summary = _grading.grade_drill(drill, tree, args.timeout, workdir, args.test_timeout)
+    if summary["status"] == "failing":
+        spinner.update(f"drawing {drill.id.upper()}...")
+        summary["picture"] = _picture.in_subprocess(drill, tree, console.width, console.is_terminal, workdir)
+    if summary["status"] != "not started" and _env.INTERPRET:  # on a GPU the bandwidth report speaks
+        spinner.update(f"counting {drill.id.upper()}'s bytes...")
+        import _traffic  # numpy: not needed by `doctor`, which checks for it
+        summary["traffic"] = _traffic.with_reference(drill, tree, ROOT / "solutions")
+    summary["seconds"] = round(time.monotonic() - started, 1)
+    # The picture's and the traffic line's words come from subprocesses that ran the
+    # learner's code: text, from here on (the picture keeps its colour codes: see _render).
+    return dict(cleaned({k: v for k, v in summary.items() if k != "picture"}), picture=summary.get("picture"))
+
+
+def check_integrity(grade, before):
+    """After each drill and at the end: if the repository or site-packages changed since
+    `before`, the grade says so and no drill passes."""
+    ok, says = _grading.integrity(before=before)
+    if ok is False:
+        grade["integrity"] = dict(ok=False, says=says, during_grading=True)
+        for s in grade["drills"]:
+            if s["status"] == "passed":
+                s["status"], s["problem"] = "failing", f"this pass is withdrawn: {says}"
 
 
 def main(argv=None):
@@ -87,29 +125,25 @@ def main(argv=None):
         tree = tree_path(args.tree)
         drills = [find_drill(d) for d in args.drills] or list(DRILLS)
     except (FileNotFoundError, KeyError) as error:
-        console.print(f"[red]{error.args[0] if isinstance(error, KeyError) else error}[/]")
-        return 2
+        return usage_error(console, error)
     stop_children_on_signals(lambda text: console.print(f"\n[bold red]{text}[/]"))
+    before = _grading.snapshot()
     ok, says = _grading.integrity()
     grade = dict(tree=str(tree), tree_name=args.tree, device=_env.describe(), interpret=_env.INTERPRET, sandbox=SANDBOX,
-                 drills=[],
-                 integrity=dict(ok=ok, says=says))
-    with console.status("grading...") as spinner, tempfile.TemporaryDirectory() as workdir:
+                 drills=[], integrity=dict(ok=ok, says=says), leftover_processes_killed=0)
+    printer = Printer(console, grade, [d.title for d in drills])
+    printer.header()
+    # The spinner only on a terminal: in a log it would print nothing useful, or a line per update.
+    quiet = contextlib.nullcontext(SimpleNamespace(update=lambda text: None))
+    with console.status("grading...") if console.is_terminal else quiet as spinner, \
+            tempfile.TemporaryDirectory() as workdir:
         for drill in drills:
             spinner.update(f"grading {drill.id.upper()} {drill.title}...")
-            summary = _grading.grade_drill(drill, tree, args.timeout, workdir, args.test_timeout)
-            if summary["status"] == "failing":
-                summary["picture"] = _picture.in_subprocess(drill, tree, console.width, console.is_terminal, workdir)
-            if summary["status"] != "not started" and _env.INTERPRET:  # on a GPU the bandwidth report speaks
-                spinner.update(f"counting {drill.id.upper()}'s bytes...")
-                import _traffic  # numpy: not needed by `doctor`, which checks for it
-                summary["traffic"] = _traffic.with_reference(drill, tree, ROOT / "solutions")
-            grade["drills"].append(summary)
-        after, says_after = _grading.integrity()
-        if ok and not after:  # something changed the machinery while it graded
-            grade["integrity"] = dict(ok=False, says=f"{says_after} (changed during grading)")
-            for s in grade["drills"]:
-                s["status"] = "failing" if s["status"] == "passed" else s["status"]
+            grade["drills"].append(grade_one(drill, tree, args, workdir, spinner, console))
+            # Nothing the learner's code started may outlive its drill and touch what comes next.
+            grade["leftover_processes_killed"] += kill_leftovers()
+            check_integrity(grade, before)
+            printer.drill(grade["drills"][-1])
 
         if _env.INTERPRET:
             grade["bench_note"] = "needs a GPU; here kernels run in Triton's CPU interpreter (correctness only)"
@@ -124,12 +158,13 @@ def main(argv=None):
             for s, drill in zip(grade["drills"], drills):
                 if s["status"] == "passed":
                     spinner.update(f"timing {drill.id.upper()}...")
-                    s["bench"] = _bench.in_subprocess(drill, tree, grade["ceiling_gbps"], args.timeout)
+                    s["bench"] = cleaned(_bench.in_subprocess(drill, tree, grade["ceiling_gbps"], args.timeout))
     # Nothing the learner's code started may outlive the grade and touch what it writes.
-    grade["leftover_processes_killed"] = kill_leftovers()
-    show(console, grade)
+    grade["leftover_processes_killed"] += kill_leftovers()
+    check_integrity(grade, before)
+    printer.footer()
     if args.json:
-        Path(args.json).write_text(json.dumps(grade, indent=2) + "\n")
+        Path(args.json).write_text(json.dumps(for_json(grade), indent=2) + "\n")
     return 0 if all(s["status"] == "passed" for s in grade["drills"]) else 1
 
 

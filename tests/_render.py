@@ -1,8 +1,15 @@
-"""Drawing a grade in the terminal: the status table, the first failure of each failing
-drill, the traffic lines and the bandwidth table. Names no drill; grader.py hands it
-the grade it assembled.
+"""Drawing a grade in the terminal, as grader.py makes it: a header, then each drill's
+lines (its status row, its first failure, its picture, its traffic line) as soon as
+that drill is graded, then a footer (the bandwidth table, what the integrity check
+found, what was left running). Names no drill; grader.py hands it what it assembled.
+
+Everything the learner's code printed or raised is text here: `clean_text` removes
+control characters from it (grader.py and tests/_report.py apply it where the grade's
+records are made), and nothing learner-derived is printed through rich markup.
 """
 import os
+import re
+import shlex
 import sys
 
 from rich.console import Console
@@ -17,6 +24,64 @@ def make_console():
     return Console() if sys.stdout.isatty() else Console(width=int(os.environ.get("COLUMNS", 160)))
 
 
+# --- the learner's text is text ------------------------------------------------------
+
+# C0 but newline and tab, DEL, C1: what moves the cursor, clears or retitles the screen,
+# rings the bell, or starts an escape sequence (ESC; 0x9b, CSI on its own). A whole escape
+# sequence (CSI, OSC, or ESC and one byte) goes first, so no "[2J" is left behind.
+_CONTROL = re.compile("(?:\x1b\\[|\x9b)[0-?]*[ -/]*[@-~]|(?:\x1b\\]|\x9d)[^\x07\x1b\n]*(?:\x07|\x1b\\\\)?|"
+                      "\x1b[@-_]|[\x00-\x08\x0b-\x1f\x7f-\x9f]")
+
+
+def clean_text(text):
+    """`text` without escape sequences and control characters but newline and tab
+    (anything not a string is returned as it is)."""
+    return _CONTROL.sub("", text) if isinstance(text, str) else text
+
+
+def cleaned(value):
+    """`value` (a test record, a drill's summary, a traffic or bench result: dicts, lists
+    and strings) with `clean_text` applied to every string in it, keys included."""
+    if isinstance(value, dict):
+        return {clean_text(k): cleaned(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [cleaned(v) for v in value]
+    return clean_text(value)
+
+
+_SGR = re.compile("(\x1b\\[[0-9;]*m)")  # a colour or weight, the only escape our pictures use
+
+
+def picture_text(ansi):
+    """A picture drawn by a drill's picture.py with rich's colours, as a Text that keeps
+    the colours and nothing else. Its numbers, and anything printed while it ran, come
+    from the learner's code: everything between two colour codes is cleaned (no ESC
+    survives there), and Text.from_ansi turns the colour codes into styles."""
+    parts = _SGR.split(ansi or "")
+    return Text.from_ansi("".join(part if i % 2 else clean_text(part) for i, part in enumerate(parts)))
+
+
+def for_json(grade):
+    """The grade as --json writes it: the pictures as plain text (no escape codes)."""
+    return dict(grade, drills=[dict(s, picture=picture_text(s["picture"]).plain) if s.get("picture") else s
+                               for s in grade["drills"]])
+
+
+# --- what to run next -------------------------------------------------------------------
+
+def commands(drill_id, tree, test=None):
+    """The commands a failure box suggests, in the form that works from the shell the
+    learner came from (make sets up and uses .venv; there a bare `python grader.py` is
+    ModuleNotFoundError: torch). `test`: the failing test, by its function's name."""
+    where = "" if str(tree) == "mine" else f" TREE={shlex.quote(str(tree))}"
+    one = f" -k {test.split('[')[0]}" if test else ""
+    return dict(grade=f"make grade DRILL={drill_id}{where}", hint=f"make hint DRILL={drill_id}",
+                show=f"make show DRILL={drill_id}{where}",
+                test=f".venv/bin/pytest --tree={shlex.quote(str(tree))} -m {drill_id} -x -s{one}")
+
+
+# --- the grade, printed as it is made ------------------------------------------------------
+
 # How tests/_report.py marks a line of the learner's output that a library printed.
 INTERPRETER_MARK, LIBRARY_MARK = "(Triton's interpreter, not your print) ", "(a library, not your print) "
 
@@ -24,70 +89,122 @@ STYLE = {"passed": "bold green", "failing": "bold red", "not started": "yellow"}
 
 
 def status_text(s):
-    label = {"passed": f"passed {s['passed']}/{s['total']}",
-             "not started": "not started",
-             "failing": f"failing {s['failed']} of {s['total']}"}[s["status"]]
-    return Text(label, style=STYLE[s["status"]])
+    failing = f"failing {s['failed']} of {s['total']}" if s["failed"] else "failing"  # 0: withdrawn, see its box
+    label = {"passed": f"passed {s['passed']}/{s['total']}", "not started": "not started", "failing": failing}
+    return Text(label[s["status"]], style=STYLE[s["status"]])
+
+
+class Printer:
+    """Prints a grade while grader.py makes it: `header` first, `drill` as soon as each
+    drill is graded, `footer` last, flushing after each, so a log or a pipe (| tee, CI)
+    shows each drill's lines when a terminal would."""
+
+    def __init__(self, console, grade, titles=()):
+        self.console, self.grade = console, grade
+        self.title_width = max(map(len, titles), default=0)
+        self.said = set()  # the explanations printed once: "not started", "traffic"
+
+    def _flush(self):
+        self.console.file.flush()
+
+    def header(self):
+        print_ = self.console.print
+        print_(Text.assemble(("drills", "bold"), " · tree ", (clean_text(self.grade["tree"]), "cyan"),
+                             f" · {self.grade['device']}"))
+        if self.grade.get("sandbox") == "none":
+            print_("[bold yellow]warning:[/] no Landlock on this kernel (Linux >= 5.13 has it): the learner's code "
+                   "runs unconfined, so this grade is not tamper-proof here")
+        integrity = self.grade.get("integrity")
+        if integrity and not integrity["ok"]:
+            print_(Text.assemble(("warning: ", "bold yellow"), clean_text(integrity["says"])))
+        print_(self._row("drill", "title", Text("status"), "time"), style="bold")
+        self._flush()
+
+    def _row(self, drill, title, status, time):
+        status.pad_right(max(0, 18 - len(status)))
+        return Text.assemble(f"{drill:<5} ", f"{title:<{self.title_width}}  ", status, f"{time:>6}")
+
+    def drill(self, s):
+        """One drill's lines: its status row, then for a first not-started drill what to do,
+        for a failing one its box and picture, and on the CPU its traffic line."""
+        print_ = self.console.print
+        self.title_width = max(self.title_width, len(s["title"]))
+        print_(self._row(s["id"].upper(), s["title"], status_text(s), f"{s.get('seconds', 0):.0f} s"))
+        if s["status"] == "not started" and "not started" not in self.said:
+            self.said.add("not started")
+            print_(Text.assemble((f"{s['id'].upper()} not started", "yellow"), f": read {s['page']}, then write "
+                                 f"{clean_text(self.grade['tree_name'])}/{s['stem']}.py and run ",
+                                 (commands(s["id"], self.grade["tree_name"])["grade"], "bold"), " again."))
+        if s["status"] == "failing":
+            print_(_failure_panel(s, self.grade["tree_name"]))
+            if s.get("picture"):
+                print_(picture_text(s["picture"]))
+        if s.get("traffic"):
+            if "traffic" not in self.said:
+                self.said.add("traffic")
+                _traffic_intro(self.console)
+            _traffic_line(self.console, s)
+        self._flush()
+
+    def footer(self):
+        print_ = self.console.print
+        print_()
+        if self.grade.get("bench_note"):
+            print_(Text(f"bandwidth: {self.grade['bench_note']}", style="dim"))
+        else:
+            _bench_table(self.console, self.grade)
+        integrity = self.grade.get("integrity")
+        if integrity and integrity.get("during_grading"):
+            print_(Text.assemble(("integrity: ", "bold red"), clean_text(integrity["says"]),
+                                 "; every pass of this grade is withdrawn"))
+        if self.grade.get("leftover_processes_killed"):
+            print_(Text(f"ended {self.grade['leftover_processes_killed']} leftover process(es) after the tests",
+                        style="dim"))
+        self._flush()
 
 
 def show(console, grade):
-    console.print(f"[bold]drills[/] · tree [cyan]{grade['tree']}[/] · {grade['device']}")
-    if grade.get("sandbox") == "none":
-        console.print("[bold yellow]warning:[/] no Landlock on this kernel (Linux >= 5.13 has it): the learner's code "
-                      "runs unconfined, so this grade is not tamper-proof here")
-    if grade.get("integrity") and not grade["integrity"]["ok"]:
-        console.print(f"[bold yellow]warning:[/] {grade['integrity']['says']}")
-    table = Table(show_header=True, header_style="bold", box=None, padding=(0, 2))
-    for column in ("drill", "title", "status", "time"):
-        table.add_column(column)
+    """The whole grade at once (the same lines grader.py prints as it goes)."""
+    printer = Printer(console, grade, [s["title"] for s in grade["drills"]])
+    printer.header()
     for s in grade["drills"]:
-        table.add_row(s["id"].upper(), s["title"], status_text(s), f"{s['seconds']:.0f} s")
-    console.print(table)
-
-    for s in grade["drills"]:
-        if s["status"] == "not started":
-            console.print(f"\n[yellow]{s['id'].upper()} not started[/]: read {s['page']}, then write "
-                          f"{grade['tree_name']}/{s['stem']}.py and run [bold]make grade[/] again.")
-            break
-    for s in grade["drills"]:
-        if s["status"] == "failing":
-            console.print(_failure_panel(s, grade["tree_name"]))
-            if s.get("picture"):
-                console.print(Text.from_ansi(s["picture"]))
-
-    _traffic_lines(console, grade)
-    console.print()
-    if grade.get("bench_note"):
-        console.print(f"[dim]bandwidth: {grade['bench_note']}[/]")
-        return
-    _bench_table(console, grade)
+        printer.drill(s)
+    printer.footer()
 
 
 TIER_STYLE = {"at the roofline": "green", "fair": "yellow", "wasteful": "bold red", "not all counted": "yellow"}
 
 
-def _traffic_lines(console, grade):
-    """One line per drill: the bytes its traffic case moved against the fewest (CPU only)."""
-    rows = [s for s in grade["drills"] if s.get("traffic")]
-    if not rows:
-        return
+def _traffic_intro(console):
     console.print("\n[bold]traffic[/] · bytes each drill's traffic case moved in Triton's CPU interpreter, "
                   "against the fewest the op needs (the bytes the GPU bandwidth report counts). The total weighs "
                   "each tensor by its bytes; the reference's line, the one its page prints, is beside yours")
+
+
+def _traffic_line(console, s):
+    """A drill's traffic line (CPU only): the bytes its traffic case moved against the fewest."""
+    t = cleaned(s["traffic"])
+    if "error" in t:
+        console.print(Text.assemble(f"{s['id'].upper()}  ", (t["error"], "red")))
+        return
+    line = Text(t["line"].removesuffix(t["tier"]))
+    line.append(t["tier"], style=TIER_STYLE.get(t["tier"], ""))
+    console.print(line)
+    if t.get("reference"):
+        console.print(Text(f"    reference: {t['reference'].removeprefix(s['id'].upper()).strip()}", style="dim"))
+    if t.get("shares"):
+        console.print(Text(f"    the total is set by {matters(t['shares'])}", style="dim"))
+    for where in t["where"]:
+        console.print(Text(f"    {where}", style="yellow"))
+
+
+def _traffic_lines(console, grade):
+    """Every drill's traffic line, under the explanation."""
+    rows = [s for s in grade["drills"] if s.get("traffic")]
+    if rows:
+        _traffic_intro(console)
     for s in rows:
-        t = s["traffic"]
-        if "error" in t:
-            console.print(f"{s['id'].upper()}  [red]{t['error']}[/]")
-            continue
-        line = Text(t["line"].removesuffix(t["tier"]))
-        line.append(t["tier"], style=TIER_STYLE.get(t["tier"], ""))
-        console.print(line)
-        if t.get("reference"):
-            console.print(f"    [dim]reference: {t['reference'].removeprefix(s['id'].upper()).strip()}[/]")
-        if t.get("shares"):
-            console.print(f"    [dim]the total is set by {matters(t['shares'])}[/]")
-        for where in t["where"]:
-            console.print(f"    [yellow]{where}[/]")
+        _traffic_line(console, s)
 
 
 def matters(shares, floor=0.05):
@@ -100,6 +217,7 @@ def matters(shares, floor=0.05):
 
 
 def _failure_panel(s, tree):
+    s = cleaned(s)  # the learner's text, whoever made the summary
     body = Text()
     for finding in s.get("diagnosis", []):
         body.append(f"looks like: {finding['says']} ({finding['section']}, pitfall:{finding['pitfall']})\n",
@@ -123,17 +241,19 @@ def _failure_panel(s, tree):
                 body.append(f"your code printed ({stream}, last lines):\n", style="dim")
                 for line in first[stream].splitlines():  # the learner's own lines stand out, a library's are dim
                     body.append(line + "\n", style="dim" if line.startswith((INTERPRETER_MARK, LIBRARY_MARK)) else "")
-    body.append(f"read {s['page']}; run this drill alone with: python grader.py {s['id']} --tree {tree}; "
-                f"a hint: python grader.py hint {s['id']}; one test with its output: "
-                f".venv/bin/pytest --tree={tree} -m {s['id']} -x -s -k NAME", style="italic")
-    return Panel(body, title=f"{s['id'].upper()} {s['title']}: {s['failed']} of {s['total']} failing",
+    run = commands(s["id"], tree, first and first["name"])
+    body.append(f"read {s['page']}; this drill alone: {run['grade']}; a hint: {run['hint']}; its picture: "
+                f"{run['show']}; the first failing test, with all your code prints: {run['test']}", style="italic")
+    return Panel(body, title=Text(f"{s['id'].upper()} {s['title']}: {s['failed']} of {s['total']} failing"),
                  border_style="red", expand=False)
 
 
 def compared(theirs_us, ours_us):
-    """"1.52× faster" or "3.6× slower": a ratio below 1 reads as slower, never "0.28× faster"."""
+    """"1.52× faster", "3.60× slower" or "same speed" (equal times never read "1.0× slower");
+    a ratio below 1 reads as slower, never "0.28× faster"."""
     ratio = theirs_us / ours_us
-    return f"{ratio:.2f}× faster" if ratio >= 1 else f"{1 / ratio:.1f}× slower"
+    factor = f"{max(ratio, 1 / ratio):.2f}"
+    return "same speed" if factor == "1.00" else f"{factor}× {'faster' if ratio > 1 else 'slower'}"
 
 
 def _bench_table(console, grade):
@@ -143,22 +263,21 @@ def _bench_table(console, grade):
     for column in ("drill", "case", "µs", "rate", "of ceiling", "tier", "baseline", "its rate", "ours is"):
         table.add_column(column, justify="right" if column not in ("drill", "case", "tier", "baseline") else "left")
     for s in grade["drills"]:
-        bench = s.get("bench")
+        bench = cleaned(s.get("bench"))
         if not bench:
             continue
-        if "error" in bench:
-            table.add_row(s["id"].upper(), "[red]bench failed[/]", bench["error"][:60])
+        if "error" in bench:  # Text, not markup: the error is the learner's process's output
+            table.add_row(s["id"].upper(), Text("bench failed", style="red"), Text(bench["error"][:60]))
             continue
         for case in bench["cases"]:
             ours = case["ours"]
             rate, unit = ("tflops", "TFLOP/s") if case.get("compute_bound") else ("gbps", "GB/s")
             for i, (name, base) in enumerate(case["baselines"].items()):
                 first = i == 0
-                table.add_row(s["id"].upper() if first else "", case["name"] if first else "",
-                              f"{ours['us']:.1f}" if first else "", f"{ours[rate]:.0f} {unit}" if first else "",
-                              "" if not first or case.get("compute_bound") else f"{100 * ours['of_ceiling']:.1f} %",
-                              case["tier"] if first else "", name, f"{base[rate]:.0f} {unit}",
-                              compared(base["us"], ours["us"]))
+                cells = (s["id"].upper() if first else "", case["name"] if first else "",
+                         f"{ours['us']:.1f}" if first else "", f"{ours[rate]:.0f} {unit}" if first else "",
+                         "" if not first or case.get("compute_bound") else f"{100 * ours['of_ceiling']:.1f} %",
+                         case["tier"] if first else "", name, f"{base[rate]:.0f} {unit}",
+                         compared(base["us"], ours["us"]))
+                table.add_row(*map(Text, cells))
     console.print(table)
-
-

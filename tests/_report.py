@@ -16,7 +16,7 @@ import traceback
 import pytest
 
 from _diagnose import Mismatch, explain_error
-from _render import INTERPRETER_MARK, LIBRARY_MARK
+from _render import INTERPRETER_MARK, LIBRARY_MARK, cleaned
 from _worker import LearnerCrash, LearnerError, LearnerTimeout
 
 
@@ -151,7 +151,9 @@ class Reporter:
         self.key = key
 
     def _write(self, **record):
-        text = json.dumps(record)
+        # What the learner's code printed or raised (message, where, example, stdout,
+        # stderr) leaves the test process as text: no control characters.
+        text = json.dumps(cleaned(record))
         self.out.write(f"{text}\t{sign(self.key, text)}\n")
 
     def pytest_collection_finish(self, session):

@@ -1,7 +1,10 @@
 """The grading run holds up against its learner: a learner's file cannot forge a pass,
 cannot reach the checks, and a hang, a crash or an early exit costs one test with a
 message that says what happened and where."""
+import io
+import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -14,7 +17,7 @@ import pytest
 import _grading
 import _wrong
 from _manifest import BY_ID
-from _tree import ROOT
+from _tree import ROOT, load_front
 from _worker import SANDBOX, LearnerCrash, LearnerTimeout, TreeModule, Worker
 
 L1 = BY_ID["l1"]
@@ -212,6 +215,162 @@ def test_a_crash_names_its_pitfall_only_when_every_failure_agrees():
     assert _grading._evidence(l2, [unmarked, crash]) == []
 
 
+# --- what the grade prints: the learner's text as text, drill by drill, advice to paste --------
+
+# What a learner's print could hold to repaint the screen as a pass: clear it, bold green,
+# carriage return, bell, and CSI as one C1 byte.
+REPAINT = "\x1b[2J\x1b[1;32mpassed 35/35\x1b[0m\r\x07\x9b"
+CONTROL = re.compile("[\x00-\x08\x0b-\x1f\x7f-\x9f]")
+
+
+def _strings(value):
+    if isinstance(value, dict):
+        return [s for k, v in value.items() for s in (k, *_strings(v))]
+    if isinstance(value, list):
+        return [s for v in value for s in _strings(v)]
+    return [value] if isinstance(value, str) else []
+
+
+def _failing(drill, **first):
+    return dict(id=drill.id, stem=drill.stem, title=drill.title, page=drill.page, passed=0, failed=1, skipped=0,
+                total=1, problem=None, diagnosis=[], status="failing",
+                first_failure=dict(dict(name="test_worked_example", kind="mismatch", message="wrong", where=None,
+                                        example="", stdout="", stderr=""), **first))
+
+
+def _graded_in_process(monkeypatch, tmp_path, console, summaries, argv, picture=None, traffic=None, on_grade=None):
+    """grader.main run in this process on made-up summaries (no test process, no
+    subprocess): what it prints, its exit status and its --json."""
+    import _traffic
+    front = load_front()
+    monkeypatch.setattr(front, "make_console", lambda: console)
+    monkeypatch.setattr(front, "stop_children_on_signals", lambda say: None)
+
+    def grade_drill(drill, *args, **kwargs):
+        if on_grade:
+            on_grade(drill)
+        return dict(summaries[drill.id])
+    monkeypatch.setattr(front._grading, "grade_drill", grade_drill)
+    monkeypatch.setattr(front._picture, "in_subprocess", picture if callable(picture) else lambda *a, **k: picture)
+    monkeypatch.setattr(_traffic, "with_reference", lambda *a, **k: traffic)
+    code = front.main([*argv, "--tree", "mine", "--json", str(tmp_path / "grade.json")])
+    return code, json.loads((tmp_path / "grade.json").read_text())
+
+
+def test_the_learners_text_reaches_the_console_and_json_as_text(tmp_path, monkeypatch):
+    """What the learner's code printed or raised, and what the picture, traffic and bench
+    subprocesses said, reaches neither the terminal nor --json with a control character,
+    and no markup in it is obeyed."""
+    from rich.console import Console
+
+    import _render
+    import _report
+    # tests/_report.py writes a record's text clean
+    reporter = _report.Reporter(tmp_path / "report.jsonl", b"k")
+    reporter._write(test="t", stdout=REPAINT, message=f"[bold green]passed[/] {REPAINT}", where=REPAINT)
+    reporter.out.close()
+    (record,), forged = _report.read_signed(tmp_path / "report.jsonl", b"k")
+    assert forged == 0 and not any(CONTROL.search(s) for s in _strings(record)), record
+    # grader.py prints and writes a summary clean, whoever made it (here a record that
+    # came through a path that forgot to clean it)
+    summary = _failing(L1, stdout=REPAINT, stderr=REPAINT, message=f"[bold green]passed[/] {REPAINT}",
+                       where=REPAINT, example=REPAINT)
+    picture = "drawn:\n\x1b[31mt0\x1b[0m \x1b[2J\x1b]0;title\x07 t1" + REPAINT
+    traffic = dict(error=f"[bold green]passed[/] {REPAINT}")
+    out = io.StringIO()
+    code, grade = _graded_in_process(monkeypatch, tmp_path, Console(file=out, width=200), {"l1": summary}, ["l1"],
+                                     picture, traffic)
+    assert code == 1 and grade["drills"][0]["status"] == "failing"
+    assert not CONTROL.search(out.getvalue()), repr(out.getvalue()[:2000])
+    assert not [s for s in _strings(grade) if CONTROL.search(s)]
+    assert grade["drills"][0]["picture"].startswith("drawn:\nt0")
+    # and _render draws it clean on a terminal (no colours: any escape would be the learner's),
+    # the bench error included, whose table cell would otherwise read markup
+    grade = dict(grade, ceiling_gbps=1.0, bench_note=None,
+                 drills=[dict(summary, picture=picture, traffic=traffic, bench=dict(error=f"[bold]{REPAINT}"))])
+    out = io.StringIO()
+    _render.show(Console(file=out, force_terminal=True, color_system=None, width=200), grade)
+    printed = out.getvalue()
+    assert not CONTROL.search(printed), repr(printed[:2000])
+    assert "[bold green]passed[/] passed 35/35" in printed and "[bold]passed 35/35" in printed  # not obeyed
+
+
+def test_a_picture_keeps_its_colours_and_nothing_else():
+    from rich.console import Console
+
+    import _render
+    out = io.StringIO()
+    Console(file=out, force_terminal=True, color_system="standard", width=100).print(
+        _render.picture_text("\x1b[31mt0\x1b[0m \x1b[2J\x1b]0;title\x07 x\x1b[?1049h\x1bc " + REPAINT))
+    printed = out.getvalue()
+    assert "\x1b[31mt0" in printed  # the picture's own colour
+    assert not re.search("\x1b[^[]|\x1b\\[[0-9;?]*[^0-9;?m]", printed), repr(printed)  # nothing but colours
+    assert not re.search("[\x07\r\x80-\x9f]", printed)
+
+
+def test_each_drill_prints_as_soon_as_it_is_graded_with_the_time_the_learner_waited(tmp_path, monkeypatch):
+    """Off a terminal too: L1's row and box are printed (and flushed) before F1 is
+    graded; its `time` counts the picture drawn after its tests."""
+    from rich.console import Console
+
+    class Log(io.StringIO):
+        flushes = 0
+
+        def flush(self):
+            self.flushes += 1
+
+    out, seen = Log(), {}
+    console = Console(file=out, width=200)
+    assert not console.is_terminal
+
+    def on_grade(drill):
+        seen[drill.id] = (out.getvalue(), out.flushes)
+
+    def slow_picture(*args):
+        time.sleep(0.3)
+        return "the picture"
+    f1 = dict(_failing(BY_ID["f1"]), status="not started")
+    summaries = {"l1": _failing(L1, name="test_padding_tokens_write_nothing[first]"), "f1": f1}
+    code, grade = _graded_in_process(monkeypatch, tmp_path, console, summaries, ["l1", "f1"], slow_picture,
+                                     on_grade=on_grade)
+    before_f1, flushes = seen["f1"]
+    assert seen["l1"][0].count("\n") <= 4 and "L1 " not in seen["l1"][0]  # the header only
+    assert "failing 1 of 1" in before_f1 and "test_padding_tokens_write_nothing" in before_f1 and flushes >= 2
+    assert "F1 " not in before_f1 and "bandwidth" not in before_f1
+    assert grade["drills"][0]["seconds"] >= 0.3
+    assert "not started" in out.getvalue() and code == 1
+
+
+def test_usage_errors_exit_2_and_are_printed_as_typed():
+    front = load_front()
+    assert front.main(["l9"]) == 2
+    assert front.main(["--tree", str(ROOT / "[bold]nope")]) == 2
+    assert front.main(["show", "l9"]) == 2
+
+
+def test_the_advice_can_be_pasted_into_the_shell_the_learner_came_from():
+    """make's forms (make sets up and uses .venv; a bare `python grader.py` fails there),
+    the failing test's own name instead of -k NAME, TREE= only for another tree."""
+    from rich.console import Console
+
+    import _render
+    for tree, where in (("mine", ""), ("/home/alice/mine", " TREE=/home/alice/mine")):
+        console = Console(record=True, width=500)
+        console.print(_render._failure_panel(_failing(L1, name="test_padding_tokens_write_nothing[first]"), tree))
+        text = " ".join(console.export_text().split())  # the box's lines joined
+        assert f"make grade DRILL=l1{where};" in text and "make hint DRILL=l1;" in text
+        assert f"make show DRILL=l1{where};" in text
+        assert f".venv/bin/pytest --tree={tree} -m l1 -x -s -k test_padding_tokens_write_nothing " in text + " "
+        assert "python grader.py" not in text and "NAME" not in text
+
+
+def test_equal_speeds_read_the_same_speed():
+    import _render
+    assert _render.compared(10.0, 10.0) == "same speed" and _render.compared(10.04, 10.0) == "same speed"
+    assert _render.compared(9.7, 10.0) == "1.03× slower" and _render.compared(30.0, 10.0) == "3.00× faster"
+    assert _render.compared(10.0, 36.0) == "3.60× slower"
+
+
 # --- integrity: what the grade stands on is what it was ------------------------------------
 
 
@@ -254,6 +413,20 @@ def test_integrity_finds_a_new_pth_or_a_changed_file_and_nothing_else(tmp_path):
     (repo / "tests" / "test_x.py").write_text("def test_x(): assert True\n")
     ok, said = _grading.integrity(repo)
     assert ok is False and "tests/test_x.py" in said and "conftest" in said
+
+
+def test_a_change_during_grading_withdraws_every_pass(tmp_path, monkeypatch):
+    from rich.console import Console
+
+    def integrity(root=ROOT, before=None, site_folders=None):
+        return (False, "changed during grading: new evil.pth") if before is not None else (True, "committed")
+    monkeypatch.setattr(_grading, "integrity", integrity)
+    passed = dict(_failing(L1), status="passed", passed=1, failed=0, first_failure=None)
+    out = io.StringIO()
+    code, grade = _graded_in_process(monkeypatch, tmp_path, Console(file=out, width=200), {"l1": passed}, ["l1"])
+    assert code == 1 and grade["drills"][0]["status"] == "failing"
+    assert grade["integrity"] == dict(ok=False, says="changed during grading: new evil.pth", during_grading=True)
+    assert "new evil.pth" in grade["drills"][0]["problem"] and "every pass of this grade is withdrawn" in out.getvalue()
 
 
 def test_integrity_of_this_repository_takes_under_a_second():
