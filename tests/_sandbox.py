@@ -1,45 +1,95 @@
-"""The worker's confinement: Linux Landlock, entered before the learner's module is
-imported. Names no drill; imports nothing of ours.
+"""The worker's confinement: Linux Landlock and seccomp, entered after the worker has
+imported torch, Triton, numpy and its own machinery, and before it imports the
+learner's module. Names no drill; imports only the standard library (and pyseccomp,
+lazily). Both are inherited by every process the worker starts and cannot be left.
 
-What the learner's code may do afterwards, enforced by the kernel for the worker and
-every process it starts (a Landlock domain is inherited and cannot be left):
-- write only below its own scratch folder (its Triton cache, its temporary files),
-  /dev/shm (torch's shared-memory tensors), /dev/null, the GPU's device files, and its
-  own threads' files under /proc/self/task (CUDA's initialisation writes there: on the
-  H200 it fails with "Error 304: OS call failed" without them);
-  everything else it may read and execute, but not create, change, rename or remove;
-- not ptrace, read the memory of (/proc/<pid>/mem), or signal any process outside its
-  domain: the test process, the grader, the fork server (Landlock ABI 6 scopes signals
-  and abstract Unix sockets; ptrace is scoped from ABI 1);
-- not bind or connect TCP sockets (ABI 4).
+How the contract's "Confined before the import" is met:
+- Reads: Landlock handles reading, listing and executing as well as every write, so
+  the worker reads only what a rule names (`_rules`): the Python install and the venv
+  (the prefixes, site-packages, sys.path, the folders of the libraries already loaded;
+  symlinks resolved, since a rule binds the target), the system's library and toolchain
+  folders and the C compiler's own (Triton on a GPU builds a launcher with it and runs
+  ptxas), a few /etc files the C library reads, /sys, its own /proc/<pid> (resolved when
+  the rule is made: never another process's environ or maps), /proc/cpuinfo, meminfo
+  and stat, /dev/null, zero, full, random, urandom, and the `readable` folders (the
+  learner's tree). Not readable: the home folder, /tmp beyond the scratch folder, the
+  project root (solutions/, tests/), other learners' trees: a candidate folder inside
+  the project (the venv aside) or holding the home folder, the project, /tmp or a named
+  folder is left out.
+- Writes: only the scratch folder and the `writable` folders, /dev/shm (its files, not
+  its listing), the GPU's device files (with ioctl), and its own /proc/<pid>/task (CUDA
+  names its threads there: without it CUDA's initialisation fails with error 304).
+- Landlock's scopes: ptrace of any process outside the domain (ABI 1); TCP bind and
+  connect refused (ABI 4); signals and abstract Unix sockets scoped (ABI 6). An older
+  kernel is handed only the fields and rights it knows.
+- seccomp, for what Landlock does not mediate (default allow; these fail with EPERM):
+  socket (every family; where a GPU is present, AF_UNIX SOCK_SEQPACKET alone is let
+  through, for CUDA's own listener), socketpair and connect (the channel, made before,
+  keeps working; so UDP and pathname Unix sockets are closed); prlimit64,
+  sched_setaffinity, sched_setscheduler, sched_setparam, sched_setattr, migrate_pages and
+  move_pages unless pid 0 (itself); setpriority and ioprio_set unless on itself (which =
+  process, who = 0); ptrace, process_vm_readv/writev, process_madvise, pidfd_getfd,
+  kcmp; io_uring (its operations pass by the filter); the kernel keyrings (secrets); and
+  the calls only root may make (modules, reboot, mount, bpf, perf_event_open, fanotify,
+  open_by_handle_at, the clock...), since the lent GPU machines grade as root. Loaded
+  on every thread (TSYNC), after no_new_privs. Foreign-ABI calls kill the thread.
+- Why pyseccomp: a small ctypes binding of the system's libseccomp.so.2, which builds
+  the BPF for the architecture, rather than hand-written BPF. Where pyseccomp or
+  libseccomp is missing, `missing()` and `describe()` say so and Landlock stands alone.
 
-Why ctypes and not a package: the lent GPU machine has no network, so nothing can be
-installed there, and the Landlock bindings on the package index stop before ABI 6's
-scopes. The three system calls are small: landlock_create_ruleset, landlock_add_rule,
-landlock_restrict_self (see the kernel's Documentation/userspace-api/landlock.rst).
+What remains unguarded: threads made before `confine` stay outside Landlock below ABI 8
+(from ABI 8 the domain covers every thread): start the worker with OMP_NUM_THREADS=1
+(else OpenBLAS and OpenMP start one a core), and `confine` says how many it could not
+cover; signals below ABI 6; sockets, UDP and pathname Unix sockets where seccomp is
+missing; /dev/shm files whose names are known; /sys and the system's folders, read; CPU
+time and memory (the caller's limits). Point TMPDIR, HOME, TRITON_CACHE_DIR and
+CUDA_CACHE_PATH at the scratch folder: the only place the worker can create files.
 """
 import ctypes
+import errno
+import glob
 import os
 import platform
+import shutil
+import sys
 
 # System call numbers: the same on x86_64 and aarch64 (the generic table).
 _SYS_CREATE_RULESET, _SYS_ADD_RULE, _SYS_RESTRICT_SELF = 444, 445, 446
 _CREATE_RULESET_VERSION = 1 << 0
+_RESTRICT_SELF_TSYNC = 1 << 3  # ABI 8: the domain covers every thread of the process
 _RULE_PATH_BENEATH = 1
-_PR_SET_NO_NEW_PRIVS = 38
+_PR_SET_NO_NEW_PRIVS, _PR_GET_SECCOMP = 38, 21
 
 # Filesystem rights (include/uapi/linux/landlock.h), with the ABI that brought each.
 _FS = dict(EXECUTE=(1 << 0, 1), WRITE_FILE=(1 << 1, 1), READ_FILE=(1 << 2, 1), READ_DIR=(1 << 3, 1),
            REMOVE_DIR=(1 << 4, 1), REMOVE_FILE=(1 << 5, 1), MAKE_CHAR=(1 << 6, 1), MAKE_DIR=(1 << 7, 1),
            MAKE_REG=(1 << 8, 1), MAKE_SOCK=(1 << 9, 1), MAKE_FIFO=(1 << 10, 1), MAKE_BLOCK=(1 << 11, 1),
            MAKE_SYM=(1 << 12, 1), REFER=(1 << 13, 2), TRUNCATE=(1 << 14, 3), IOCTL_DEV=(1 << 15, 5))
-# Everything that changes the filesystem is handled (denied unless a rule allows it);
-# reading and executing are not, so Python, torch, Triton and the tree load as usual.
-_WRITES = ("WRITE_FILE", "REMOVE_DIR", "REMOVE_FILE", "MAKE_CHAR", "MAKE_DIR", "MAKE_REG", "MAKE_SOCK",
-           "MAKE_FIFO", "MAKE_BLOCK", "MAKE_SYM", "REFER", "TRUNCATE", "IOCTL_DEV")
-_FILE_RIGHTS = ("WRITE_FILE", "TRUNCATE", "IOCTL_DEV")  # all a rule on a single file may grant
-_NET_BIND_TCP, _NET_CONNECT_TCP = 1 << 0, 1 << 1        # ABI 4
+_ALL = tuple(_FS)                                   # handled: denied unless a rule allows
+_RX = ("EXECUTE", "READ_FILE", "READ_DIR")          # programs and libraries
+_RO = ("READ_FILE", "READ_DIR")                     # data
+_FILE_RIGHTS = ("EXECUTE", "WRITE_FILE", "READ_FILE", "TRUNCATE", "IOCTL_DEV")  # all a rule on a file may grant
+_DEVICE = ("READ_FILE", "WRITE_FILE", "TRUNCATE", "IOCTL_DEV", "READ_DIR")
+_SHM = ("READ_FILE", "WRITE_FILE", "TRUNCATE", "MAKE_REG", "REMOVE_FILE")  # torch's and POSIX shm; no listing
+_NET_BIND_TCP, _NET_CONNECT_TCP = 1 << 0, 1 << 1    # ABI 4
 _SCOPE_ABSTRACT_UNIX_SOCKET, _SCOPE_SIGNAL = 1 << 0, 1 << 1  # ABI 6
+
+# The system's programs and libraries: the C library and the loader, CUDA's libraries,
+# and the C toolchain (gcc, as, ld, cc1 under /usr/libexec, the headers) and ldconfig
+# (Triton runs `/sbin/ldconfig -p` to find libcuda), read and executed, never written.
+_SYSTEM = ("/usr/lib", "/lib", "/lib64", "/usr/lib64", "/usr/local/lib", "/usr/include", "/usr/libexec",
+           "/usr/bin", "/bin", "/sbin/ldconfig", "/usr/local/nvidia")
+# The /etc files the C library reads: the loader's cache and configuration (every
+# dlopen and every program started), the time zone (localtime), and the user database
+# (nsswitch.conf, passwd, group: getpwuid, behind Path.home() and getpass.getuser()
+# where HOME or USER is unset). passwd holds no secret (the hashes are in shadow).
+_ETC = ("/etc/ld.so.cache", "/etc/ld.so.conf", "/etc/ld.so.conf.d", "/etc/localtime", "/etc/nsswitch.conf",
+        "/etc/passwd", "/etc/group")
+# What torch, OpenMP and the C library (get_nprocs, sysconf) read of /proc beyond the
+# worker's own folder.
+_PROC = ("/proc/cpuinfo", "/proc/meminfo", "/proc/stat")
+_DEV_RW = ("/dev/null", "/dev/zero", "/dev/full")
+_DEV_RO = ("/dev/random", "/dev/urandom")
 
 
 class _RulesetAttr(ctypes.Structure):
@@ -74,20 +124,116 @@ def _error(what):
     return OSError(err, f"landlock: {what} failed: {os.strerror(err)}")
 
 
+# ---------------------------------------------------------------------------
+# What may be read and written
+
+
+def _inside(path, folder):
+    return path == folder or path.startswith(folder.rstrip("/") + "/")
+
+
+def _project_root():
+    return os.path.dirname(os.path.dirname(os.path.realpath(__file__)))  # this file is tests/_sandbox.py
+
+
+def _home():
+    """The home folder from the user database: the worker may have pointed HOME elsewhere."""
+    try:
+        import pwd
+        return pwd.getpwuid(os.getuid()).pw_dir
+    except (ImportError, KeyError):
+        return None
+
+
+def _mapped_library_folders():
+    """The folders of the shared libraries already loaded (a conda or nix install keeps
+    them outside the usual places; torch dlopens their siblings later)."""
+    try:
+        with open("/proc/self/maps") as maps:
+            files = {line.split(None, 5)[-1].strip() for line in maps if "/" in line}
+    except OSError:
+        return []
+    return sorted({os.path.dirname(f) for f in files if f.startswith("/") and ".so" in os.path.basename(f)})
+
+
+def _python_folders(kept):
+    """The Python install, the venv and the folders Python imports from, each with its
+    resolved target; less what `kept` refuses."""
+    prefixes = {sys.base_prefix, sys.prefix, sys.exec_prefix, getattr(sys, "base_exec_prefix", sys.prefix)}
+    found = set(prefixes)
+    try:
+        import site
+        found.update(site.getsitepackages())
+    except (ImportError, AttributeError):
+        pass
+    found.update(p for p in sys.path if p and os.path.isabs(p))
+    found.update(p for p in os.environ.get("LD_LIBRARY_PATH", "").split(":") if os.path.isabs(p))
+    found.update(_mapped_library_folders())
+    found.update(f for f in _compiler_folders() if not f.startswith(("/usr", "/bin")))
+    found.update(os.path.realpath(p) for p in list(found))
+    venvs = [os.path.realpath(p) for p in prefixes] + list(prefixes)
+    folders = []
+    for path in sorted(p for p in found if os.path.exists(p) and kept(p, venvs)):
+        if not any(_inside(path, f) for f in folders):  # sorted: a folder comes before what it holds
+            folders.append(path)
+    return folders
+
+
+def _compiler_folders():
+    """The install folder of the C compiler Triton runs (CC, else cc, gcc or clang on
+    PATH) where it is not a system one: /opt/gcc on the lent GPU machines."""
+    found = []
+    for name in (os.environ.get("CC"), "cc", "gcc", "clang"):
+        where = name and shutil.which(name)
+        if where:
+            folder = os.path.dirname(os.path.realpath(where))
+            found.append(os.path.dirname(folder) if os.path.basename(folder) == "bin" else folder)
+    return found
+
+
+def _rules(scratch, readable, writable, version):
+    """(path, rights) for every rule, in the order they are added."""
+    scratch = os.path.realpath(scratch)
+    project = _project_root()
+    guarded = [project, _home(), os.path.expanduser("~"), "/tmp", os.environ.get("TMPDIR", "/tmp"), scratch]
+    guarded += [os.path.realpath(p) for p in (*readable, *writable)]
+    guarded = [os.path.realpath(g) for g in guarded if g]
+
+    def kept(path, venvs):
+        path = os.path.realpath(path)
+        if path == "/" or any(_inside(g, path) for g in guarded):
+            return False  # it holds the home folder, the project, /tmp or a tree
+        return not _inside(path, project) or any(_inside(path, v) for v in venvs)
+
+    rx, ro = _rights(_RX, version), _rights(_RO, version)
+    rules = [(p, rx) for p in _python_folders(kept)]
+    rules += [(p, rx) for p in _SYSTEM + tuple(sorted(glob.glob("/usr/local/cuda*")))]
+    rules += [(p, ro) for p in _ETC + _PROC + ("/sys",) + _DEV_RO]
+    pid = str(os.getpid())  # /proc/self, resolved now: the worker's own folder, no other
+    rules += [(f"/proc/{pid}", ro), (f"/proc/{pid}/task", _rights(_RO + ("WRITE_FILE", "TRUNCATE"), version))]
+    rules += [(p, ro) for p in readable]
+    rules += [(p, _rights(_DEVICE, version)) for p in _DEV_RW + _device_files()]
+    rules += [("/dev/shm", _rights(_SHM, version))]
+    rules += [(p, _rights(_ALL, version)) for p in (scratch, *writable)]
+    return rules
+
+
 def _device_files():
-    """The GPU's device files, which CUDA opens for writing and drives by ioctl."""
-    found = [os.path.join("/dev", n) for n in os.listdir("/dev") if n.startswith(("nvidia", "dri", "kfd"))]
-    return found + ["/dev/null", "/dev/zero", "/dev/full"]
+    """The GPU's device files (NVIDIA, and DRM and KFD for ROCm), opened for writing and
+    driven by ioctl."""
+    try:
+        names = os.listdir("/dev")
+    except OSError:
+        return ()
+    return tuple(os.path.join("/dev", n) for n in sorted(names) if n.startswith(("nvidia", "dri", "kfd")))
 
 
-def confine(scratch):
-    """Confine this thread, and all it starts, to the rules above; `scratch` is the one
-    folder it may write. Call it in a process with one thread (a new worker), before any
-    untrusted code runs. Returns the ABI used; raises OSError where Landlock refused."""
-    version = abi()
-    if version < 1:
-        raise OSError("landlock is not available on this kernel")
-    handled = _rights(_WRITES, version)
+# ---------------------------------------------------------------------------
+# Landlock
+
+
+def _landlock(rules, version):
+    handled = _rights(_ALL, version)
     attr = _RulesetAttr(handled_access_fs=handled,
                         handled_access_net=(_NET_BIND_TCP | _NET_CONNECT_TCP) if version >= 4 else 0,
                         scoped=(_SCOPE_ABSTRACT_UNIX_SOCKET | _SCOPE_SIGNAL) if version >= 6 else 0)
@@ -97,27 +243,185 @@ def confine(scratch):
     if ruleset < 0:
         raise _error("create_ruleset")
     try:
-        allowed = [(scratch, handled), ("/dev/shm", handled & ~_rights(("IOCTL_DEV",), version))]
-        allowed += [(path, _rights(_FILE_RIGHTS, version)) for path in _device_files()]
-        allowed.append(("/proc/self/task", _rights(("WRITE_FILE", "TRUNCATE"), version)))
-        for path, rights in allowed:
+        for path, rights in rules:
             try:
-                fd = os.open(path, os.O_PATH | os.O_CLOEXEC)
+                fd = os.open(path, os.O_PATH | os.O_CLOEXEC)  # follows symlinks: binds the target
             except OSError:
-                continue  # no such device here
+                continue  # not on this machine
             try:
-                rule = _PathBeneathAttr(allowed_access=rights, parent_fd=fd)
-                if not os.path.isdir(path):
-                    rule.allowed_access &= _rights(_FILE_RIGHTS, version)
+                if not os.path.isdir(f"/proc/self/fd/{fd}"):
+                    rights &= _rights(_FILE_RIGHTS, version)
+                rule = _PathBeneathAttr(allowed_access=rights & handled, parent_fd=fd)
                 if _libc.syscall(_SYS_ADD_RULE, ctypes.c_int(ruleset), ctypes.c_int(_RULE_PATH_BENEATH),
                                  ctypes.byref(rule), ctypes.c_uint32(0)) < 0:
                     raise _error(f"add_rule({path})")
             finally:
                 os.close(fd)
-        if _libc.prctl(_PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0) != 0:
-            raise _error("prctl(PR_SET_NO_NEW_PRIVS)")
-        if _libc.syscall(_SYS_RESTRICT_SELF, ctypes.c_int(ruleset), ctypes.c_uint32(0)) < 0:
+        _no_new_privs()
+        flags = _RESTRICT_SELF_TSYNC if version >= 8 else 0
+        if _libc.syscall(_SYS_RESTRICT_SELF, ctypes.c_int(ruleset), ctypes.c_uint32(flags)) < 0:
             raise _error("restrict_self")
     finally:
         os.close(ruleset)
-    return version
+
+
+def _no_new_privs():
+    if _libc.prctl(_PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0) != 0:
+        raise _error("prctl(PR_SET_NO_NEW_PRIVS)")
+
+
+# ---------------------------------------------------------------------------
+# seccomp
+
+_DENIED = (
+    "socketpair", "connect",                                      # no new sockets (below), no connecting
+    "ptrace", "process_vm_readv", "process_vm_writev", "process_madvise", "pidfd_getfd", "kcmp",
+    "io_uring_setup", "io_uring_enter", "io_uring_register",      # its own socket and open operations
+    "keyctl", "add_key", "request_key",                           # the kernel keyrings may hold secrets
+    # Only root may make these; the lent GPU machines grade as root.
+    "init_module", "finit_module", "delete_module", "kexec_load", "kexec_file_load", "reboot",
+    "swapon", "swapoff", "mount", "umount2", "pivot_root", "bpf", "perf_event_open", "fanotify_init",
+    "name_to_handle_at", "open_by_handle_at", "settimeofday", "clock_settime", "clock_adjtime", "adjtimex",
+    "sethostname", "setdomainname", "syslog", "acct", "quotactl", "iopl", "ioperm",
+)
+_AF_UNIX, _SOCK_SEQPACKET = 1, 5
+# (call, argument, the one value allowed): refused where that argument holds anything else.
+_ON_ITSELF_ONLY = (
+    ("prlimit64", 0, 0), ("sched_setaffinity", 0, 0), ("sched_setscheduler", 0, 0), ("sched_setparam", 0, 0),
+    ("sched_setattr", 0, 0), ("migrate_pages", 0, 0), ("move_pages", 0, 0),
+    ("setpriority", 0, 0), ("setpriority", 1, 0),                 # PRIO_PROCESS, who = 0
+    ("ioprio_set", 0, 1), ("ioprio_set", 1, 0),                   # IOPRIO_WHO_PROCESS, who = 0
+)
+
+
+def _pyseccomp():
+    """pyseccomp, or None where it or libseccomp is missing. Its import asks
+    ctypes.util.find_library, which runs `ldconfig -p` in a subprocess (some 50 ms):
+    the usual sonames are tried first."""
+    if "pyseccomp" in sys.modules:
+        return sys.modules["pyseccomp"]
+    import ctypes.util
+    slow = ctypes.util.find_library
+
+    def find_library(name):
+        soname = {"c": "libc.so.6", "seccomp": "libseccomp.so.2"}.get(name)
+        if soname:
+            try:
+                ctypes.CDLL(soname)
+                return soname
+            except OSError:
+                pass
+        return slow(name)
+
+    ctypes.util.find_library = find_library
+    try:
+        import pyseccomp
+        return pyseccomp
+    except (ImportError, RuntimeError, OSError, AttributeError):
+        return None
+    finally:
+        ctypes.util.find_library = slow
+
+
+def _kernel_has_seccomp():
+    return platform.system() == "Linux" and _libc.prctl(_PR_GET_SECCOMP, 0, 0, 0, 0) >= 0
+
+
+def _seccomp_filter():
+    """The filter, built (not loaded); None where seccomp cannot be had."""
+    sc = _pyseccomp() if _kernel_has_seccomp() else None
+    if sc is None:
+        return None
+    refuse = sc.ERRNO(errno.EPERM)
+    flt = sc.SyscallFilter(sc.ALLOW)
+    for name in _DENIED:
+        _add(sc, flt, refuse, name)
+    if _device_files():
+        # CUDA's initialisation makes one socket, an abstract AF_UNIX SOCK_SEQPACKET
+        # listener ("@cuda-uvmfd-..."); refused, it fails with error 304. Every other
+        # family and type is still refused, and with connect refused it reaches nothing.
+        _add(sc, flt, refuse, "socket", sc.Arg(0, sc.NE, _AF_UNIX))
+        for kind in range(16):  # the type's low four bits; the rest are flags
+            if kind != _SOCK_SEQPACKET:
+                _add(sc, flt, refuse, "socket", sc.Arg(1, sc.MASKED_EQ, 0xF, kind))
+    else:
+        _add(sc, flt, refuse, "socket")
+    for name, arg, allowed in _ON_ITSELF_ONLY:
+        _add(sc, flt, refuse, name, sc.Arg(arg, sc.NE, allowed))
+    try:
+        flt.set_attr(sc.Attr.CTL_TSYNC, 1)  # every thread, not only this one
+    except OSError:
+        pass  # a libseccomp too old for it: this thread and those it starts
+    return flt
+
+
+def _add(sc, flt, action, name, *args):
+    if sc.resolve_syscall(sc.Arch.NATIVE, name) < 0:
+        return  # a call this architecture (iopl on aarch64) or this libseccomp does not know
+    flt.add_rule(action, name, *args)
+
+
+def seccomp():
+    """Load the seccomp filter alone (no_new_privs first). Returns False where seccomp
+    cannot be had; raises OSError where the kernel refused it."""
+    flt = _seccomp_filter()
+    if flt is None:
+        return False
+    _no_new_privs()
+    flt.load()
+    return True
+
+
+# ---------------------------------------------------------------------------
+# The whole confinement
+
+
+def confine(scratch, readable=(), writable=()):
+    """Confine this process, and all it starts, to the rules above: `scratch` and the
+    `writable` folders are all it may write; `readable` (the learner's tree) it may read.
+    Call it once everything the worker needs from elsewhere is imported, before any
+    untrusted code runs. Applies what this machine offers and returns a one-line account
+    of it (e.g. "landlock ABI 7 (read and write rules), seccomp"); raises OSError where
+    the kernel refused a part it offers."""
+    readable, writable = [str(p) for p in readable], [str(p) for p in writable]
+    if not os.path.isdir(scratch):
+        raise FileNotFoundError(f"the scratch folder {scratch} does not exist")
+    version = abi()
+    flt = _seccomp_filter()  # built first: pyseccomp's import reads what Landlock will hide
+    done = []
+    if version >= 1:
+        threads = len(os.listdir(f"/proc/{os.getpid()}/task"))
+        _landlock(_rules(str(scratch), readable, writable, version), version)
+        uncovered = threads - 1 if version < 8 else 0
+        note = f"; {uncovered} earlier thread{'s' * (uncovered > 1)} not covered" if uncovered else ""
+        done.append(f"landlock ABI {version} (read and write rules{note})")
+    if flt is not None:
+        _no_new_privs()
+        flt.load()
+        done.append("seccomp")
+    return ", ".join(done) or "none"
+
+
+def status():
+    """What this machine offers, without applying anything: {"landlock": ABI or 0,
+    "seccomp": bool}."""
+    return {"landlock": abi(), "seccomp": _kernel_has_seccomp() and _pyseccomp() is not None}
+
+
+def missing():
+    """The parts of the confinement this machine lacks, by name: "Landlock", "seccomp"."""
+    have = status()
+    return [name for name, ok in (("Landlock", have["landlock"]), ("seccomp", have["seccomp"])) if not ok]
+
+
+def describe():
+    """One line for the grade and --json: "landlock ABI 7 + seccomp", or what is missing."""
+    have = status()
+    why = "kernel without seccomp" if not _kernel_has_seccomp() else "libseccomp or pyseccomp missing"
+    if have["landlock"] and have["seccomp"]:
+        return f"landlock ABI {have['landlock']} + seccomp"
+    if have["landlock"]:
+        return f"landlock ABI {have['landlock']}; no seccomp ({why})"
+    if have["seccomp"]:
+        return "seccomp; no Landlock (kernel without it)"
+    return "none"

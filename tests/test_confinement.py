@@ -1,0 +1,288 @@
+"""The worker's confinement (tests/_sandbox.py), tried directly: a fresh interpreter
+imports torch, Triton and numpy, confines itself to a scratch folder with a tree it may
+read, and then tries what the learner's code may and may not do. Each check is made in
+that one process (importing torch costs about 2 s) and reported back as JSON; each test
+below reads its part. A check skips only where this machine lacks Landlock or seccomp.
+"""
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+import _sandbox
+
+pytestmark = pytest.mark.meta
+
+TESTS = Path(__file__).resolve().parent
+ROOT = TESTS.parent
+STATUS = _sandbox.status()
+NO_LANDLOCK = "no Landlock on this kernel"
+NO_SECCOMP = f"no seccomp here ({_sandbox.describe()})"
+
+LEARNER = '''
+import torch, triton, triton.language as tl
+
+@triton.jit
+def _double(x_ptr, out_ptr, n, BLOCK: tl.constexpr):
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    tl.store(out_ptr + offs, 2 * tl.load(x_ptr + offs, mask=offs < n), mask=offs < n)
+
+def double(x):
+    out = torch.empty_like(x)
+    _double[(triton.cdiv(x.numel(), 32),)](x, out, x.numel(), BLOCK=32)
+    return out
+'''
+
+# Runs in the confined process. `checks[name]` is "ok", or "denied <errno>" where the
+# kernel refused, or "error <what>" for anything else.
+PROBE = r'''
+import errno, json, os, resource, socket, subprocess, sys
+import numpy, torch, triton
+sys.path.insert(0, TESTS)
+import _sandbox
+
+checks = {}
+def check(name, action):
+    try:
+        action()
+        checks[name] = "ok"
+    except OSError as e:
+        checks[name] = f"denied {errno.errorcode.get(e.errno, e.errno)}" if e.errno in (errno.EACCES, errno.EPERM) \
+            else f"error {e!r}"
+    except Exception as e:
+        checks[name] = f"error {e!r}"
+
+def read(path):
+    with open(path, "rb") as f:
+        f.read()
+
+def write(path):
+    with open(path, "w") as f:
+        f.write("x")
+
+ppid = os.getppid()
+channel, peer = socket.socketpair()  # made before, as the worker's channel is
+description = _sandbox.confine(SCRATCH, readable=[TREE])
+
+# What must work.
+def learner():
+    sys.path.insert(0, TREE)
+    import learner_mod
+    x = torch.arange(100, dtype=torch.float32)
+    assert torch.equal(learner_mod.double(x), 2 * x)
+check("learner module and Triton kernel", learner)
+check("torch matmul", lambda: (torch.randn(32, 32) @ torch.randn(32, 32)).sum().item())
+check("torch shared memory", lambda: torch.zeros(8).share_memory_())
+check("read own /proc entry", lambda: read("/proc/self/status"))
+check("write in scratch", lambda: write(os.path.join(SCRATCH, "ok.txt")))
+check("the channel works", lambda: (channel.sendall(b"ping"), peer.recv(4) == b"ping" or 1 / 0))
+check("own rlimit", lambda: resource.prlimit(0, resource.RLIMIT_NOFILE))
+check("own priority", lambda: os.setpriority(os.PRIO_PROCESS, 0, os.getpriority(os.PRIO_PROCESS, 0)))
+check("own affinity", lambda: os.sched_setaffinity(0, os.sched_getaffinity(0)))
+
+# What must be refused: reads.
+check("read sibling solutions", lambda: read(os.path.join(SOLUTIONS, "secret.py")))
+check("import from sibling solutions", lambda: (sys.path.insert(0, SOLUTIONS), __import__("secret")))
+check("read outside scratch", lambda: read(OUTSIDE))
+check("list tmp dir", lambda: os.listdir(os.path.dirname(SCRATCH)))
+check("list /tmp", lambda: os.listdir("/tmp"))
+check("list home", lambda: os.listdir(HOME))
+check("read project tests", lambda: read(os.path.join(TESTS, "_sandbox.py")))
+check("list project", lambda: os.listdir(os.path.dirname(TESTS)))
+check("read parent environ", lambda: read(f"/proc/{ppid}/environ"))
+check("read parent maps", lambda: read(f"/proc/{ppid}/maps"))
+# ... writes.
+check("write outside scratch", lambda: write(os.path.join(os.path.dirname(SCRATCH), "new.txt")))
+check("write in tree", lambda: write(os.path.join(TREE, "new.txt")))
+check("write in project", lambda: write(os.path.join(TESTS, "new.txt")))
+# ... sockets and other processes.
+check("UDP socket", lambda: socket.socket(socket.AF_INET, socket.SOCK_DGRAM))
+check("TCP socket", lambda: socket.socket(socket.AF_INET, socket.SOCK_STREAM))
+check("Unix socket", lambda: socket.socket(socket.AF_UNIX, socket.SOCK_STREAM))
+check("socketpair", lambda: socket.socketpair())
+check("prlimit parent", lambda: resource.prlimit(ppid, resource.RLIMIT_NOFILE))
+check("setpriority parent", lambda: os.setpriority(os.PRIO_PROCESS, ppid, os.getpriority(os.PRIO_PROCESS, ppid)))
+check("setaffinity parent", lambda: os.sched_setaffinity(ppid, os.sched_getaffinity(ppid)))
+check("signal parent", lambda: os.kill(ppid, 0))
+
+# A child inherits both.
+child = subprocess.run([sys.executable, "-S", "-c", CHILD], capture_output=True, text=True, timeout=30)
+checks["child"] = child.stdout.strip() or child.stderr[-300:]
+print(json.dumps({"description": description, "checks": checks}))
+'''
+
+CHILD = r'''
+import socket
+out = []
+try:
+    open(SECRET).read(); out.append("read")
+except PermissionError:
+    out.append("no read")
+try:
+    socket.socket(socket.AF_INET, socket.SOCK_DGRAM); out.append("socket")
+except PermissionError:
+    out.append("no socket")
+print(" ".join(out))
+'''
+
+
+def _env(scratch):
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("PYTEST", "TRITON"))}
+    env.update(TRITON_INTERPRET="1", OMP_NUM_THREADS="1", TMPDIR=str(scratch), TRITON_CACHE_DIR=str(scratch / "triton"),
+               PYTHONDONTWRITEBYTECODE="1")
+    return env
+
+
+def _layout(tmp):
+    """tmp/scratch (writable), tmp/tree (readable), tmp/solutions and tmp/outside.txt
+    (neither)."""
+    (tmp / "scratch").mkdir()
+    (tmp / "tree").mkdir()
+    (tmp / "tree" / "learner_mod.py").write_text(LEARNER)
+    (tmp / "solutions").mkdir()
+    (tmp / "solutions" / "secret.py").write_text("ANSWER = 42\n")
+    (tmp / "outside.txt").write_text("not for the learner\n")
+    return tmp / "scratch", tmp / "tree"
+
+
+def _run(code, tmp, timeout=120):
+    scratch = tmp / "scratch"
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=timeout,
+                            cwd=scratch, env=_env(scratch))
+    assert result.returncode == 0, result.stderr[-3000:]
+    return json.loads(result.stdout.strip().splitlines()[-1])
+
+
+def _constants(tmp):
+    scratch, tree = tmp / "scratch", tmp / "tree"
+    import pwd
+    values = dict(TESTS=str(TESTS), SCRATCH=str(scratch), TREE=str(tree), SOLUTIONS=str(tmp / "solutions"),
+                  OUTSIDE=str(tmp / "outside.txt"), HOME=pwd.getpwuid(os.getuid()).pw_dir)
+    values["CHILD"] = f"SECRET = {str(tmp / 'solutions' / 'secret.py')!r}\n" + CHILD
+    return "".join(f"{k} = {v!r}\n" for k, v in values.items())
+
+
+@pytest.fixture(scope="module")
+def confined(tmp_path_factory):
+    """The checks of one confined process (skipped where there is no Landlock)."""
+    if not STATUS["landlock"]:
+        pytest.skip(NO_LANDLOCK)
+    tmp = tmp_path_factory.mktemp("confined")
+    _layout(tmp)
+    out = _run(_constants(tmp) + PROBE, tmp)
+    return out["description"], out["checks"], tmp
+
+
+def _refused(checks, names, errno_name):
+    wrong = {n: checks[n] for n in names if checks[n] != f"denied {errno_name}"}
+    assert not wrong, f"not refused with {errno_name}: {wrong}"
+
+
+def test_the_learner_module_and_a_triton_kernel_run_confined(confined):
+    description, checks, _ = confined
+    assert description.startswith(f"landlock ABI {STATUS['landlock']} (read and write rules"), description
+    assert ("seccomp" in description) == STATUS["seccomp"], description
+    works = ("learner module and Triton kernel", "torch matmul", "torch shared memory", "read own /proc entry",
+             "write in scratch", "the channel works", "own rlimit", "own priority", "own affinity")
+    assert {n: checks[n] for n in works} == dict.fromkeys(works, "ok")
+
+
+def test_it_reads_nothing_beyond_python_the_system_and_its_tree(confined):
+    _, checks, _ = confined
+    _refused(checks, ("read sibling solutions", "read outside scratch", "list tmp dir", "list /tmp", "list home",
+                      "read project tests", "list project", "read parent environ", "read parent maps"), "EACCES")
+    assert checks["import from sibling solutions"].startswith("error ModuleNotFoundError"), checks
+
+
+def test_it_writes_only_its_scratch(confined):
+    _, checks, tmp = confined
+    _refused(checks, ("write outside scratch", "write in tree", "write in project"), "EACCES")
+    assert (tmp / "scratch" / "ok.txt").read_text() == "x"
+    assert not (tmp / "new.txt").exists() and not (tmp / "tree" / "new.txt").exists()
+    assert not (TESTS / "new.txt").exists()
+
+
+def test_it_makes_no_socket_and_leaves_other_processes_alone(confined):
+    _, checks, _ = confined
+    if STATUS["landlock"] >= 6:
+        _refused(checks, ("signal parent",), "EPERM")
+    if not STATUS["seccomp"]:
+        pytest.skip(NO_SECCOMP)
+    _refused(checks, ("UDP socket", "TCP socket", "Unix socket", "socketpair", "prlimit parent",
+                      "setpriority parent", "setaffinity parent"), "EPERM")
+
+
+def test_a_child_of_the_confined_process_is_confined_too(confined):
+    _, checks, _ = confined
+    assert checks["child"].startswith("no read"), checks["child"]
+    if not STATUS["seccomp"]:
+        pytest.skip(NO_SECCOMP)
+    assert checks["child"] == "no read no socket"
+
+
+OLD_ABI = r'''
+import json, os, sys
+sys.path.insert(0, TESTS)
+import _sandbox
+_sandbox.abi = lambda: VERSION
+_sandbox._seccomp_filter = lambda: None
+description = _sandbox.confine(SCRATCH, readable=[TREE])
+out = [description]
+for name, path, mode in (("tree", os.path.join(TREE, "learner_mod.py"), "r"),
+                         ("scratch", os.path.join(SCRATCH, "f"), "w"),
+                         ("outside", OUTSIDE, "r"), ("write outside", OUTSIDE, "a")):
+    try:
+        open(path, mode).close(); out.append(f"{name} ok")
+    except PermissionError:
+        out.append(f"{name} denied")
+print(json.dumps(out))
+'''
+
+
+@pytest.mark.parametrize("version", [1, 3, 4, 5])
+def test_an_older_landlock_is_handed_only_what_it_knows(tmp_path, version):
+    if STATUS["landlock"] < version:
+        pytest.skip(f"this kernel's Landlock is ABI {STATUS['landlock']}")
+    _layout(tmp_path)
+    out = _run(_constants(tmp_path) + f"VERSION = {version}\n" + OLD_ABI, tmp_path, timeout=30)
+    assert out == [f"landlock ABI {version} (read and write rules)", "tree ok", "scratch ok", "outside denied",
+                   "write outside denied"]
+
+
+SECCOMP_ONLY = r'''
+import json, os, socket, subprocess, sys
+sys.path.insert(0, TESTS)
+import _sandbox
+out = [_sandbox.seccomp()]
+for family, kind in ((socket.AF_INET, socket.SOCK_DGRAM), (socket.AF_UNIX, socket.SOCK_STREAM)):
+    try:
+        socket.socket(family, kind).close(); out.append("socket made")
+    except PermissionError:
+        out.append("no socket")
+child = subprocess.run([sys.executable, "-S", "-c", "import socket; socket.socket()"], capture_output=True, text=True)
+out.append("child: no socket" if "PermissionError" in child.stderr else "child: socket made")
+print(json.dumps(out))
+'''
+
+
+def test_seccomp_alone_refuses_sockets_and_its_children_inherit_it(tmp_path):
+    if not STATUS["seccomp"]:
+        pytest.skip(NO_SECCOMP)
+    _layout(tmp_path)
+    out = _run(_constants(tmp_path) + SECCOMP_ONLY, tmp_path, timeout=30)
+    assert out == [True, "no socket", "no socket", "child: no socket"]
+
+
+def test_status_describe_and_missing_agree():
+    status, missing, line = _sandbox.status(), _sandbox.missing(), _sandbox.describe()
+    assert set(status) == {"landlock", "seccomp"} and status["landlock"] == _sandbox.abi()
+    assert ("Landlock" in missing) == (not status["landlock"]) and ("seccomp" in missing) == (not status["seccomp"])
+    if status["landlock"] and status["seccomp"]:
+        assert line == f"landlock ABI {status['landlock']} + seccomp"
+    elif not status["landlock"] and not status["seccomp"]:
+        assert line == "none"
+    else:
+        assert "no " in line, line
