@@ -42,11 +42,15 @@ def _tree_kernels():
 
 
 class BlockManager:
-    """A free list of physical blocks and a block list per sequence. A sequence of n
-    tokens owns exactly ceil(n / block_size) blocks; no block is owned twice."""
+    """Which physical block belongs to which sequence (content/e1.md §4).
+
+    Blocks are numbered 0..num_blocks - 1. A sequence of n tokens owns exactly
+    ceil(n / block_size) blocks, kept in token order; no block belongs to two live
+    sequences; a sequence's blocks keep their place as it grows; freed blocks can be
+    given out again."""
 
     def __init__(self, num_blocks, block_size):
-        # TODO(e1 §4): the free blocks (all of them), and each sequence's blocks and token count.
+        # TODO(e1): your block manager (content/e1.md §4; hints in §8).
         raise NotImplementedError("BlockManager: read content/e1.md §4")
 
     @property
@@ -55,12 +59,17 @@ class BlockManager:
         raise NotImplementedError("BlockManager.num_free_blocks: read content/e1.md §4")
 
     def allocate(self, seq_id, num_tokens):
-        """A new sequence of num_tokens tokens. ValueError if it is larger than the whole cache."""
+        """A new sequence seq_id (any hashable id) of num_tokens tokens: it gets its blocks.
+
+        ValueError when num_tokens is more than the whole cache holds (num_blocks *
+        block_size) (content/e1.md §4)."""
         # TODO(e1 §4)
         raise NotImplementedError("BlockManager.allocate: read content/e1.md §4")
 
     def append(self, seq_id, num_tokens):
-        """num_tokens more tokens of seq_id: new blocks only when the last one is full."""
+        """num_tokens more tokens of the live sequence seq_id: it owns ceil(total / block_size)
+        blocks afterwards, its earlier blocks unmoved. ValueError when the total is more
+        than the whole cache holds (content/e1.md §4)."""
         # TODO(e1 §4)
         raise NotImplementedError("BlockManager.append: read content/e1.md §4")
 
@@ -70,12 +79,15 @@ class BlockManager:
         raise NotImplementedError("BlockManager.free: read content/e1.md §4")
 
     def block_table(self, seq_ids):
-        """int32 [len(seq_ids), max_blocks]: row b lists seq_ids[b]'s blocks, then -1."""
+        """int32 tensor [len(seq_ids), width]: row b lists the blocks of seq_ids[b] in token
+        order, then -1 up to the width; the width is at least the most blocks any of
+        them owns (content/e1.md §4)."""
         # TODO(e1 §4)
         raise NotImplementedError("BlockManager.block_table: read content/e1.md §4")
 
     def slot_mapping(self, seq_id, positions):
-        """int64 slots of `positions` of seq_id: block * block_size + offset in the block."""
+        """int64 tensor: the slot of each of `positions` (positions inside seq_id, all in
+        its owned blocks), L1's slot (content/l1.md §3)."""
         # TODO(e1 §4)
         raise NotImplementedError("BlockManager.slot_mapping: read content/e1.md §4")
 
@@ -89,10 +101,21 @@ def _rotate(x, cos, sin):
 
 def generate(model, prompts, max_new_tokens, *, block_size=16, num_blocks=None, max_num_batched_tokens=256,
              kernels=None):
-    """Greedy decoding of every prompt through the paged engine; per prompt, the new
-    tokens only (what model.generate(..., do_sample=False) gives, EOS included)."""
-    # TODO(e1 §5): the scheduler loop (§5), each step's tensors (§6) and the flattened forward
-    # through kernels.reshape_and_cache and kernels.paged_prefill_attention, once per layer (§7).
+    """Greedy decoding of every prompt through the paged engine: a list with, per prompt,
+    the new token ids only (a list of ints), ending at the model's EOS (included) or
+    after max_new_tokens (content/e1.md §1 and §5).
+
+    prompts: non-empty lists of token ids; max_new_tokens: an int >= 1 or one per
+    prompt. Each token must be the model's greedy choice up to floating point (its
+    logit within 1e-3 of the step's top one). One paged KV cache per layer of exactly
+    num_blocks blocks (None: room for every request at once); a step holds at most
+    max_num_batched_tokens tokens; every step calls kernels.reshape_and_cache and
+    kernels.paged_prefill_attention once per layer for the whole batch (None: L1 and
+    L3 of this folder) and nothing else computes attention; the model's weights are
+    never changed. ValueError for bad arguments and for a request that could never
+    fit in num_blocks.
+    """
+    # TODO(e1): your scheduler, step tensors and forward (content/e1.md §5 to §7; hints in §8).
     raise NotImplementedError("generate: read content/e1.md §5")
 
 

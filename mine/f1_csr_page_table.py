@@ -22,8 +22,7 @@ def block_table_to_csr(block_table, seq_lens, page_size):
     Raise ValueError for non-int32 inputs, page_size < 1, mismatched batch sizes or devices,
     and (on the CPU) a seq_len that is negative or needs more pages than the row has.
     """
-    # TODO(f1): pages per sequence, a cumsum for kv_indptr, a mask of owned columns for
-    # kv_indices, and kv_last_page_len (content/f1.md §2 and §4).
+    # TODO(f1): your block_table_to_csr (content/f1.md §2 and §4; hints in §8).
     raise NotImplementedError("block_table_to_csr is not written yet: see content/f1.md §2 and §4")
 
 
@@ -38,7 +37,7 @@ def batch_indices_positions(append_indptr, seq_lens, nnz):
     Raise ValueError for non-int32 inputs, a wrong length, and (on the CPU) an append_indptr
     that does not start at 0 or decreases, nnz < append_indptr[-1], or seq_lens < append_len.
     """
-    # TODO(f1): find each token's sequence (torch.searchsorted), then its position (content/f1.md §5).
+    # TODO(f1): your batch_indices_positions (content/f1.md §5; hints in §8).
     raise NotImplementedError("batch_indices_positions is not written yet: see content/f1.md §5")
 
 
@@ -51,14 +50,16 @@ def append_paged_kv_cache_kernel(
     page_size, H, D,
     BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,  # next powers of two >= H and >= D
 ):
-    """One program per appended token: look its page up, copy its [H, D] key and value there.
+    """Copy each appended token's [H, D] key and value into entry pos % page_size of page
+    kv_indices[kv_indptr[b] + pos // page_size] of the caches, b and pos being the
+    token's batch index and position (FlashInfer's page look-up, content/f1.md §6).
 
-    page = kv_indices[kv_indptr[b] + pos // page_size], entry = pos % page_size, with b and
-    pos read from batch_indices and positions. A token whose batch index is -1 is padding:
-    read nothing, write nothing. Every offset in int64.
+    The caches are addressed through stride_page, stride_entry and stride_head (the
+    layout decides which is which); append_key/value rows through their own strides.
+    A token whose batch index is -1 is padding: nothing of it is read, nothing is
+    written. Every offset must hold for caches past 2**31 elements.
     """
-    # TODO(f1): b and pos, the page look-up, a masked [BLOCK_H, BLOCK_D] tile, two loads and
-    # two stores through the strides (content/f1.md §6).
+    # TODO(f1): your kernel (content/f1.md §6; hints in §8).
     raise NotImplementedError("append_paged_kv_cache_kernel is not written yet: see content/f1.md §6")
 
 
@@ -75,6 +76,5 @@ def append_paged_kv_cache(append_key, append_value, batch_indices, positions, pa
     index arrays, mismatched shapes, dtypes or devices, and (on the CPU) an indptr that is
     not non-decreasing, a last_page_len out of range or a position beyond the allocated pages.
     """
-    # TODO(f1): unpack the cache, check the inputs (content/f1.md §7), pick the entry and head
-    # strides by layout, then launch one program per token (§6).
+    # TODO(f1): check the inputs, then run your kernel (content/f1.md §6 and §7; hints in §8).
     raise NotImplementedError("append_paged_kv_cache is not written yet: see content/f1.md §6 and §7")

@@ -27,24 +27,21 @@ def paged_decode_kernel(
     BLOCK_SIZE: tl.constexpr,  # tokens per cache block
     HEAD_SIZE: tl.constexpr,   # D
     GROUP: tl.constexpr,       # query heads per KV head: NUM_HEADS // NUM_KV_HEADS
-    GROUP_PAD: tl.constexpr,   # GROUP rounded up to a power of two >= 16 (tl.dot's minimum)
+    GROUP_PAD: tl.constexpr,   # GROUP rounded up to a power of two, at least 16
     D_PAD: tl.constexpr,       # D rounded up to a power of two >= 16
     TILE: tl.constexpr,        # tokens per iteration: several blocks at once
     UPCAST: tl.constexpr,      # interpreter + bfloat16: see _INTERPRET above
 ):
-    """One program per (sequence, KV head): the GROUP query heads of that KV head
-    attend to the sequence's seq_len cached tokens, TILE tokens per iteration.
+    """Write into out, for every sequence and query head h, softmax(q_h . K^T * scale) . V
+    over the sequence's seq_len cached tokens of KV head h // GROUP, accumulated in fp32
+    and stored in out's dtype.
 
-    Each token's K/V sits at slot = block_table[seq, pos // BLOCK_SIZE] * BLOCK_SIZE
-    + pos % BLOCK_SIZE (L1's layout). Read no block-table entry past
-    ceil(seq_len / BLOCK_SIZE); mask the tokens past seq_len; keep a running max,
-    a running sum and an fp32 accumulator per query head (online softmax).
+    The cache is L1's layout (content/l2.md §4). Only the first ceil(seq_len /
+    BLOCK_SIZE) entries of a block-table row belong to the sequence: the rest, and the
+    slots of its last block past seq_len, may hold garbage (NaN included) and must not
+    reach the result; block-table entries past the row's owned ones must not be read.
     """
-    # TODO(l2): the program's sequence and KV head, its GROUP query heads as the
-    # rows of a [GROUP_PAD, D_PAD] tile (masked), then a loop over the sequence
-    # TILE tokens at a time: block-table look-up, masked K/V loads, scores with
-    # tl.dot, the online-softmax update; last, acc / l stored in out's dtype
-    # (content/l2.md §5; the addresses in §4, the update in §3).
+    # TODO(l2): your kernel (content/l2.md §3 to §5; hints in §8).
     raise NotImplementedError("paged_decode_kernel is not written yet: see content/l2.md §5")
 
 
@@ -57,11 +54,11 @@ def paged_decode_attention(query, k_cache, v_cache, block_table, seq_lens, scale
     the new token included) are int32 or int64. scale=None means 1/sqrt(D).
     The output has query's shape and dtype: written into `out` when one is
     given (each sequence's [H_q, D] contiguous; return `out` itself), else a
-    new tensor. Raise ValueError, naming the
-    argument and the fix, for mismatched shapes, dtypes or devices, H_q not a
-    multiple of H_kv, a non-contiguous cache and (on the CPU) seq_lens outside
-    1..max_blocks * block_size or blocks outside the cache.
+    new tensor. float16, bfloat16 or float32, one dtype for query and caches.
+    Raise ValueError, naming the argument and the fix, for mismatched shapes,
+    dtypes or devices, H_q not a multiple of H_kv, a non-contiguous cache and (on
+    the CPU) seq_lens outside 1..max_blocks * block_size or blocks outside the
+    cache (content/l2.md §7).
     """
-    # TODO(l2): check the inputs (content/l2.md §7), allocate the output with
-    # torch.empty unless `out` was given, then launch one program per (sequence, KV head) (§5, §7).
+    # TODO(l2): check the inputs, then run your kernel (content/l2.md §5 and §7; hints in §8).
     raise NotImplementedError("paged_decode_attention is not written yet: see content/l2.md §5 and §7")

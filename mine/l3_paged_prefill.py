@@ -20,7 +20,7 @@ LOG2E = 1.4426950408889634  # log2(e): exp(x) = exp2(x * LOG2E)
 @triton.jit
 def paged_prefill_kernel(
     out_ptr, query_ptr, k_cache_ptr, v_cache_ptr, block_table_ptr, query_start_loc_ptr, seq_lens_ptr,
-    scale_log2,                # scale * log2(e): scores in base 2, so exp2 is exact softmax
+    scale_log2,                # scale * log2(e)
     num_seqs,
     short_q_len,               # chunks of at most this many queries belong to the other launch (0: none)
     query_stride, out_stride,  # elements from one token's [H_q, D] row to the next
@@ -36,24 +36,18 @@ def paged_prefill_kernel(
     UPCAST: tl.constexpr,      # interpreter + bfloat16: see _INTERPRET above
     SHORT: tl.constexpr,       # the launch for short chunks (decode rows): one program per sequence
 ):
-    """One program per (KV head, query block): BLOCK_Q queries of one sequence's chunk,
-    times the GROUP query heads of that KV head, as the BLOCK_M rows of one tile.
+    """Write into out, for every query token of every chunk and every query head h,
+    causal attention over its sequence's cached keys of KV head h // GROUP, accumulated
+    in fp32 and stored in out's dtype.
 
-    Two launches share this kernel (content/l3.md §4). SHORT: program b takes sequence
-    b's whole chunk if it holds 1..BLOCK_Q queries, and returns otherwise. Not SHORT:
-    find the program's sequence from query_start_loc (sequence b's query blocks are
-    numbered from query_start_loc[b] // BLOCK_Q + b on); spare programs, and chunks of
-    at most short_q_len queries (the short launch's), return.
-    Query i of a chunk sits at position seq_len - q_len + i and sees keys 0..its
-    position (bottom-right causal). Gather K/V TILE keys at a time through the
-    block table, never reading a block-table entry past the sequence's last block;
-    keep an fp32 online softmax per row that never turns a row with no visible key
-    into NaN; store only the live rows.
+    Query i of a chunk of q_len queries sits at position seq_len - q_len + i and sees
+    the keys at positions up to its own (content/l3.md §3). The cache is L1's layout;
+    block-table entries past a sequence's last owned block must not be read. The host
+    may launch this kernel more than once over one batch (short_q_len and SHORT tell a
+    launch which chunks are its own, content/l3.md §4): every output row is written by
+    exactly one launch.
     """
-    # TODO(l3): the program's KV head, sequence and first query, for each launch (content/l3.md §4);
-    # the tile's rows, their positions and the q tile (§4, §5); then the loop over
-    # key tiles: block-table gather, scores with tl.dot, the causal mask, the
-    # online-softmax update (§5); last, acc / l stored for the live rows only.
+    # TODO(l3): your kernel (content/l3.md §4 and §5; hints in §7).
     raise NotImplementedError("paged_prefill_kernel is not written yet: see content/l3.md §4 and §5")
 
 
@@ -68,14 +62,13 @@ def paged_prefill_attention(query, k_cache, v_cache, block_table, query_start_lo
     of H_kv. block_table [B, max_blocks]; query_start_loc [B + 1], 0 first, the
     running sum of the chunk lengths; seq_lens [B], each sequence's whole context,
     its chunk included (that K/V is already in the cache). All int32 or int64.
-    scale=None means 1/sqrt(D). `out`, if given, has the query's shape and dtype
+    float16, bfloat16 or float32, one dtype for query and caches. scale=None means
+    1/sqrt(D). `out`, if given, has the query's shape and dtype
     with contiguous rows; it is written and returned. Raise ValueError, naming the
     argument and the fix, for mismatched shapes, dtypes or devices, a
     non-contiguous cache, and (on the CPU) query_start_loc not starting at 0 or not
     non-decreasing, q_len > seq_len, seq_lens past the block table, blocks outside
-    the cache.
+    the cache (content/l3.md §6).
     """
-    # TODO(l3): check the inputs (content/l3.md §6), allocate out if needed, then
-    # launch the kernel twice (§4, §6): tall tiles over a grid of (H_kv, total_q //
-    # BLOCK_Q + B) programs, and short tiles over (H_kv, B), SHORT=True.
+    # TODO(l3): check the inputs, then run your kernel (content/l3.md §4 and §6; hints in §7).
     raise NotImplementedError("paged_prefill_attention is not written yet: see content/l3.md §4 and §6")

@@ -29,18 +29,16 @@ def merge_states_kernel(
     HEAD_SIZE: tl.constexpr,   # D
     D_PAD: tl.constexpr,       # D rounded up to a power of two
 ):
-    """One program per (row, head): merge NUM_PARTS partial results into one.
+    """Merge, for every (row, head), NUM_PARTS partial results into one: the v and s that
+    attention over the union of the parts' keys would give (content/l4.md §3).
 
     parts is [rows, H, NUM_PARTS, D] and lse [rows, H, NUM_PARTS], both contiguous
     fp32; each part is (v, s) with s the natural-log log-sum-exp of its scores and
-    s = -inf for an empty part (whose v may be garbage, NaN included). Store the
-    merged v (out's dtype) at out_ptr + row * out_stride + head * D and the merged
-    s at out_lse_ptr + row * H + head. Two or more empty parts give v = 0, s = -inf.
+    s = -inf for an empty part (whose v may be garbage, NaN included). The merged v
+    goes to row `row` of out (rows out_stride elements apart, out's dtype), the merged
+    s to out_lse [rows, H] (fp32). When every part is empty: v = 0, s = -inf, never NaN.
     """
-    # TODO(l4): load the parts' s (masked past NUM_PARTS with -inf), shift by their
-    # max (0 when every part is empty), weights w = exp(s - max); load the parts'
-    # v, keep only those with w > 0, sum w * v over the parts and divide by the
-    # sum of w (not by 0); the merged s is max + log(sum of w) (content/l4.md §3, §4).
+    # TODO(l4): your merge kernel (content/l4.md §3 and §4; hints in §7).
     raise NotImplementedError("merge_states_kernel is not written yet: see content/l4.md §3 and §4")
 
 
@@ -54,16 +52,14 @@ def merge_attention_states(v_a, s_a, v_b, s_b):
     Raise ValueError, naming the argument, for mismatched shapes, a non-float v,
     s that is not float32, or tensors on different devices.
     """
-    # TODO(l4): check the inputs (content/l4.md §6), then merge the two sides,
-    # either in plain PyTorch or with merge_states_kernel on the two parts side
-    # by side in fp32 (content/l4.md §3, §4).
+    # TODO(l4): check the inputs, then merge (content/l4.md §3, §4 and §6; hints in §7).
     raise NotImplementedError("merge_attention_states is not written yet: see content/l4.md §3 and §4")
 
 
 @triton.jit
 def split_kv_kernel(
     out_ptr, parts_ptr, lse_ptr, query_ptr, k_cache_ptr, v_cache_ptr, block_table_ptr, seq_lens_ptr,
-    qk_scale,                  # scale * log2(e): scores in base 2, so exp2 does the softmax
+    qk_scale,                  # scale * log2(e)
     query_stride,              # elements from one sequence's query row to the next
     out_stride,                # the same for out
     table_stride,              # elements from one block-table row to the next
@@ -71,33 +67,31 @@ def split_kv_kernel(
     BLOCK_SIZE: tl.constexpr,  # tokens per cache block
     HEAD_SIZE: tl.constexpr,   # D
     GROUP: tl.constexpr,       # query heads per KV head: NUM_HEADS // NUM_KV_HEADS
-    GROUP_PAD: tl.constexpr,   # GROUP rounded up to a power of two >= 16 (tl.dot's minimum)
+    GROUP_PAD: tl.constexpr,   # GROUP rounded up to a power of two, at least 16
     D_PAD: tl.constexpr,       # D rounded up to a power of two >= 16
     TILE: tl.constexpr,        # tokens per iteration: several blocks at once
     UPCAST: tl.constexpr,      # interpreter + bfloat16: see _INTERPRET above
     DIRECT: tl.constexpr,      # NUM_SPLITS == 1: write the answer to out, no phase 2
 ):
-    """Phase 1. One program per (sequence, KV head, split): the GROUP query heads
-    of that KV head attend to one contiguous chunk of the sequence, L2-style.
+    """Phase 1: attention of every sequence's query heads over NUM_SPLITS contiguous
+    chunks of its context, one partial result per chunk (content/l4.md §5).
 
-    The chunk is this sequence's own seq_len cut into NUM_SPLITS pieces of whole
-    tiles; a chunk that starts past seq_len is empty. Store the chunk's normalised
-    output (fp32) in parts [B, H_q, NUM_SPLITS, D] and its natural-log LSE in
-    lse [B, H_q, NUM_SPLITS]; an empty chunk stores v = 0 and LSE = -inf, never
-    NaN. With DIRECT, write the (only) chunk's output straight into out instead.
+    For chunk p of sequence b and query head h: the normalised output (fp32) in parts
+    [B, H_q, NUM_SPLITS, D] and the natural-log log-sum-exp of its scores in lse
+    [B, H_q, NUM_SPLITS]. The chunks split the sequence's own seq_len and together
+    cover it once; a chunk with no key stores v = 0 and lse = -inf, never NaN. With
+    DIRECT (NUM_SPLITS is 1) the one chunk's output goes straight into out instead, in
+    out's dtype. L2's rules on the block table and the cache hold.
     """
-    # TODO(l4): this program's chunk [start, end) (content/l4.md §5), then L2's
-    # loop over it; at the end part = acc / l (guarding l = 0) and
-    # lse = m + log(l), in natural log whatever base the loop used (§3, §4, §5).
+    # TODO(l4): your phase 1 (content/l4.md §3 to §5; hints in §7).
     raise NotImplementedError("split_kv_kernel is not written yet: see content/l4.md §5")
 
 
 def default_num_splits(num_seqs, num_kv_heads, device):
-    """The split count paged_decode_attention_split uses when num_splits is None:
-    on a GPU, from the batch, the KV heads and the SM count (content/l4.md §5);
-    on the CPU, CPU_NUM_SPLITS."""
-    # TODO(l4): enough (sequence, KV head, split) programs to keep every SM busy,
-    # one split when the batch alone does, a cap on the count (content/l4.md §5).
+    """The split count (an int, at least 1) paged_decode_attention_split uses when
+    num_splits is None: on a GPU, from the batch, the KV heads and the device's SM
+    count (content/l4.md §5.3); on the CPU, CPU_NUM_SPLITS."""
+    # TODO(l4): your rule (content/l4.md §5.3; hints in §7).
     raise NotImplementedError("default_num_splits is not written yet: see content/l4.md §5")
 
 
@@ -112,7 +106,5 @@ def paged_decode_attention_split(query, k_cache, v_cache, block_table, seq_lens,
     num_splits < 1 (or not a whole number), an `out` of the wrong shape, dtype or
     device, and every input L2 refuses (content/l4.md §6).
     """
-    # TODO(l4): check the inputs, pick num_splits, allocate out and the fp32
-    # partial buffers, launch phase 1 on (B, H_kv, num_splits) and phase 2 on
-    # (B, H_q); return out (content/l4.md §5, §6).
+    # TODO(l4): check the inputs, then run both phases (content/l4.md §5 and §6; hints in §7).
     raise NotImplementedError("paged_decode_attention_split is not written yet: see content/l4.md §5 and §6")

@@ -4,7 +4,8 @@ path; FlashInfer's decode with k_scale / v_scale).
 
 Read content/l5.md first. Replace each `raise NotImplementedError` with your code;
 `make grade` tells you how far you are and what is still wrong. L1's write and L4's
-split decode are your starting points; `_fp8_bits` below is given (content/l5.md §5).
+split decode are your starting points; `_fp8_bits` below is given (content/l5.md §5):
+it only works around the CPU interpreter and is not part of the exercise.
 """
 import math
 import os
@@ -59,18 +60,20 @@ def reshape_and_cache_fp8_kernel(
     FP8_MAX: tl.constexpr, MANT: tl.constexpr, BIAS: tl.constexpr,  # the cache's format (FORMATS)
     INT_ENCODE: tl.constexpr,    # interpreter: see _INTERPRET above
 ):
-    """One program per token: quantise its [H, D] key and value values into its slot.
+    """L1's kernel into fp8 caches: each token's [H, D] key and value values x, head h
+    with scale s_h, stored in its slot as fp8(saturate(x / s_h)).
 
-    Like L1's kernel (int64 offsets; slot -1 reads and writes nothing), but each value
-    x is stored as fp8(saturate(x / scale)): the quotient in fp32, correctly rounded
-    (tl.math.div_rn), clamped to +-FP8_MAX, then converted with round-to-nearest-even.
-    Read the token as a tile [H_PAD, D_PAD] (masked to [H, D]): row h is KV head h, so
-    its scale is one load per row. With INT_ENCODE the cache pointers are uint8 views:
-    store _fp8_bits(...) there.
+    The quotient is the fp32 one, correctly rounded, as torch's x.float() / s gives it;
+    saturate means clamped to +-FP8_MAX, the format's largest finite value (448 for
+    e4m3fn, 57344 for e5m2); the fp8 value is the nearest, ties to even. A finite x
+    never becomes NaN or inf. k_scale_ptr/v_scale_ptr hold one scale (SCALE_STRIDE 0)
+    or one per KV head (SCALE_STRIDE 1); nothing past them is read. A token whose
+    slot is -1 is padding: nothing of it is read, nothing is written. With INT_ENCODE
+    (the CPU interpreter, whose own fp8 conversion is wrong) the cache pointers are
+    uint8 views of the caches and each byte stored is the fp8 value's bits
+    (content/l5.md §5).
     """
-    # TODO(l5): L1's kernel over an [H, D] tile, each row's scale loaded (stride
-    # SCALE_STRIDE), the quotient rounded correctly, saturated, and stored as fp8
-    # (natively, or as _fp8_bits under INT_ENCODE) (content/l5.md §4, §5).
+    # TODO(l5): your write kernel (content/l5.md §4 and §5; hints in §9).
     raise NotImplementedError("reshape_and_cache_fp8_kernel is not written yet: see content/l5.md §5")
 
 
@@ -78,14 +81,15 @@ def reshape_and_cache_fp8(key, value, k_cache, v_cache, slot_mapping, k_scale, v
     """Quantise key/value [T, H, D] into the fp8 caches [num_blocks, block_size, H, D]:
     cache = fp8(saturate(x.float() / scale)), scale [1] or [H] float32 on the device.
 
-    L1's contract (any row stride with each token's [H, D] contiguous, slot -1 =
-    padding) into caches of dtype torch.float8_e4m3fn or torch.float8_e5m2. Raise
-    ValueError, naming the argument and the fix, for everything L1 refuses, a cache
-    that is not fp8, and a scale of the wrong shape, dtype or device (content/l5.md §8).
+    L1's contract (any row stride with each token's [H, D] contiguous, read in place;
+    slot -1 = padding; returns None) into caches of dtype torch.float8_e4m3fn or
+    torch.float8_e5m2. key and value share one dtype, float16, bfloat16 or float32;
+    the two caches share one fp8 dtype. k_scale and v_scale are both [1] or both [H].
+    Raise ValueError, naming the argument and the fix, for everything L1 refuses, a
+    cache that is not fp8, and a scale of the wrong shape, dtype or device
+    (content/l5.md §8).
     """
-    # TODO(l5): check the inputs, pick the format's constants from FORMATS, pass
-    # uint8 views of the caches when interpreting, launch one program per token
-    # (content/l5.md §5, §8).
+    # TODO(l5): check the inputs, then run your write kernel (content/l5.md §5 and §8; hints in §9).
     raise NotImplementedError("reshape_and_cache_fp8 is not written yet: see content/l5.md §5 and §8")
 
 
@@ -99,9 +103,12 @@ def merge_states_kernel(
     HEAD_SIZE: tl.constexpr,   # D
     D_PAD: tl.constexpr,       # D rounded up to a power of two
 ):
-    """L4's phase 2: one program per (row, head) merges NUM_PARTS partial outputs
-    (parts [rows, H, NUM_PARTS, D], lse [rows, H, NUM_PARTS], fp32) into out."""
-    # TODO(l5): L4's merge_states_kernel, without the merged LSE (content/l4.md §3, §5).
+    """L4's phase 2 without the merged log-sum-exp: for every (row, head), the merge of
+    NUM_PARTS partial outputs (parts [rows, H, NUM_PARTS, D], lse [rows, H, NUM_PARTS],
+    fp32, natural log; lse = -inf marks an empty part) into row `row` of out (rows
+    out_stride elements apart, out's dtype). L4's merge_states_kernel also stores the
+    merged lse (its out_lse_ptr); this one has no such argument."""
+    # TODO(l5): your merge (content/l4.md §3 and §4, content/l5.md §6).
     raise NotImplementedError("merge_states_kernel is not written yet: see content/l5.md §6")
 
 
@@ -109,33 +116,29 @@ def merge_states_kernel(
 def split_kv_fp8_kernel(
     out_ptr, parts_ptr, lse_ptr, query_ptr, k_cache_ptr, v_cache_ptr, block_table_ptr, seq_lens_ptr,
     k_scale_ptr, v_scale_ptr,
-    qk_scale,                  # scale * log2(e): scores in base 2, so exp2 does the softmax
+    qk_scale,                  # scale * log2(e)
     query_stride, out_stride, table_stride,
     NUM_HEADS, NUM_KV_HEADS, NUM_SPLITS,
     SCALE_STRIDE: tl.constexpr,  # 0: per-tensor scales ([1]); 1: per KV head ([H_kv])
     BLOCK_SIZE: tl.constexpr, HEAD_SIZE: tl.constexpr,
     GROUP: tl.constexpr,       # query heads per KV head
-    GROUP_PAD: tl.constexpr,   # GROUP rounded up to a power of two >= 16 (tl.dot's minimum)
+    GROUP_PAD: tl.constexpr,   # GROUP rounded up to a power of two, at least 16
     D_PAD: tl.constexpr,       # D rounded up to a power of two >= 16
     TILE: tl.constexpr,        # tokens per iteration
     UPCAST: tl.constexpr,      # interpreter + bfloat16: see _INTERPRET above
     DIRECT: tl.constexpr,      # NUM_SPLITS == 1: write the answer to out, no phase 2
 ):
-    """L4's phase 1 over fp8 caches: one program per (sequence, KV head, split).
-
-    K and V mean fp8.to(float32) * scale, with the KV head's scale (SCALE_STRIDE 1)
-    or the one scale (SCALE_STRIDE 0). Store the chunk's output and natural-log LSE
-    as L4 does (DIRECT: the output straight into out)."""
-    # TODO(l5): L4's phase 1; load this KV head's k_scale and v_scale once, and
-    # apply each exactly once: per element on load, or folded into the scores'
-    # scale and the output (content/l5.md §6).
+    """L4's phase 1 over fp8 caches: the same parts and natural-log lse (DIRECT: the
+    output straight into out), with K and V meaning fp8.to(float32) * scale, the KV
+    head's scale (SCALE_STRIDE 1) or the one scale (SCALE_STRIDE 0) (content/l5.md §6)."""
+    # TODO(l5): your phase 1 (content/l5.md §6; hints in §9).
     raise NotImplementedError("split_kv_fp8_kernel is not written yet: see content/l5.md §6")
 
 
 def default_num_splits(num_seqs, num_kv_heads, device):
     """The split count paged_decode_attention_fp8 uses when num_splits is None
     (L4's rule; CPU_NUM_SPLITS on the CPU)."""
-    # TODO(l5): L4's default_num_splits (content/l4.md §5).
+    # TODO(l5): L4's rule (content/l4.md §5).
     raise NotImplementedError("default_num_splits is not written yet: see content/l5.md §6")
 
 
@@ -145,10 +148,10 @@ def paged_decode_attention_fp8(query, k_cache, v_cache, block_table, seq_lens, k
     [B, H_q, D] in the query's dtype (written into `out` when given).
 
     query float16, bfloat16 or float32; caches float8_e4m3fn or float8_e5m2; k_scale
-    and v_scale float32 [1] or [H_kv] on the cache's device. Raise ValueError, naming
-    the argument and the fix, for everything L4 refuses (the cache dtype apart), a
-    cache that is not fp8 and a scale of the wrong shape, dtype or device (content/l5.md §8).
+    and v_scale float32, both [1] or both [H_kv], on the cache's device; scale=None
+    means 1/sqrt(D). Raise ValueError, naming the argument and the fix, for
+    everything L4 refuses (the cache dtype apart), a cache that is not fp8 and a
+    scale of the wrong shape, dtype or device (content/l5.md §8).
     """
-    # TODO(l5): check the inputs, then L4's host code with the scales passed to
-    # phase 1 (content/l5.md §6, §8).
+    # TODO(l5): check the inputs, then run both phases (content/l5.md §6 and §8; hints in §9).
     raise NotImplementedError("paged_decode_attention_fp8 is not written yet: see content/l5.md §6 and §8")

@@ -10,7 +10,7 @@ import os
 import torch
 import triton
 import triton.language as tl
-from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait  # for PDL, a GPU's (hint 6)
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait  # for PDL: optional, a GPU's (hint 6)
 
 # Triton's CPU interpreter computes tl.dot on bfloat16 wrongly (it multiplies the
 # raw bits; triton-lang/triton#11584), so there the kernels widen q, K and V to
@@ -20,17 +20,17 @@ LOG2E = 1.4426950408889634  # log2(e): exp(x) = exp2(x * LOG2E)
 
 
 def cascade_prefix_len(block_table, query_start_loc, seq_lens, block_size):
-    """The shared prefix cascade attention may use, in tokens: the leading block-table
-    columns identical in every row, times block_size, capped by the fewest tokens any
-    sequence had cached before this step, rounded down to a multiple of block_size;
-    0 for fewer than two sequences. A host rule: it reads the tensors' values.
+    """The shared prefix cascade attention may use, in tokens, as a Python int: the
+    leading block-table columns identical in every row, times block_size, capped by
+    the fewest tokens any sequence had cached before this step (min(seq_lens -
+    q_lens)), rounded down to a multiple of block_size; 0 for fewer than two
+    sequences. Why the cap: content/l6.md §3.
 
     Plain PyTorch (no kernel): block_table [B, max_blocks], query_start_loc [B + 1],
     seq_lens [B] (each sequence's whole context, this step's chunk included), on any
-    device. Returns a Python int.
+    device. A host rule: it reads the tensors' values.
     """
-    # TODO(l6): count the leading columns equal in every row, times block_size; cap by
-    # min(seq_lens - q_lens); round down to a multiple of block_size (content/l6.md §3).
+    # TODO(l6): your cascade_prefix_len (content/l6.md §3; hints in §7).
     raise NotImplementedError("cascade_prefix_len is not written yet: see content/l6.md §3")
 
 
@@ -46,20 +46,20 @@ def prefix_kernel(
     TILE: tl.constexpr, UPCAST: tl.constexpr,
     PDL: tl.constexpr,         # launched ahead of pass 2 (programmatic dependent launch)
 ):
-    """Pass 1: BLOCK_Q tokens of the whole batch (whatever their sequences) times the
-    GROUP query heads of one KV head, against keys [split * chunk, ...) of the prefix.
+    """Pass 1: every query of the batch (total_q tokens, whatever their sequences) and
+    every query head, attending to the shared prefix's keys 0..prefix_len - 1, cut
+    into NUM_PARTS chunks of `chunk` keys; one partial result per chunk.
 
-    Grid (H_kv, ceil(total_q / BLOCK_Q), num_splits). Tile row r is token
-    program_id(1) * BLOCK_Q + r // GROUP, query head kv_head * GROUP + r % GROUP. The
-    prefix's blocks are the first prefix_len // BLOCK_SIZE entries of block-table row 0
-    (every row holds the same ones). No causal mask: every query sits past the prefix.
-    Store this chunk's acc / l (0 for a row that saw no key, never NaN) as part `split`
-    of parts [total_q, H_q, NUM_PARTS, D] (the query's dtype; fp32 works too), and its
-    log-sum-exp in base 2 (m + log2(l); -inf for no key) in lse [total_q, H_q, NUM_PARTS]
-    fp32. PDL (only ever True on a GPU, hint 6): call gdc_launch_dependents() first.
+    The prefix is every sequence's, so any row of the block table names its blocks
+    (content/l6.md §3 says why no query needs a causal mask here). For chunk p, query
+    token t and query head h: the normalised output in part p of parts [total_q, H_q,
+    NUM_PARTS, D] (the query's dtype) and the log-sum-exp of its scores in lse
+    [total_q, H_q, NUM_PARTS] (fp32), in whatever base suffix_kernel reads it in; a
+    chunk with no key stores v = 0 and lse = -inf, never NaN. The prefix's K/V are read
+    once per KV head for the whole batch, not once per sequence. PDL: launched ahead of
+    pass 2 on a GPU (optional, content/l6.md §4 and hint 6).
     """
-    # TODO(l6): the rows and their q (content/l6.md §4); the chunk's keys through
-    # block-table row 0, no causal mask; L3's online softmax; store part and lse.
+    # TODO(l6): your pass 1 (content/l6.md §4; hints in §7).
     raise NotImplementedError("prefix_kernel is not written yet: see content/l6.md §4")
 
 
@@ -73,18 +73,17 @@ def suffix_kernel(
     BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr, TILE: tl.constexpr, UPCAST: tl.constexpr,
     PDL: tl.constexpr,         # launched while pass 1 runs: wait for it before reading its parts
 ):
-    """Pass 2: L3's program (one KV head, one query block of one sequence) over keys
-    prefix_len .. position only, then pass 1's NUM_PARTS parts folded in (the merge).
+    """Pass 2 and the merge: L3's causal attention of every query (query i of a chunk
+    sits at seq_len - q_len + i) over its own sequence's keys from prefix_len on, merged
+    with pass 1's NUM_PARTS parts by log-sum-exp (L4's rule), written to out in out's
+    dtype: the result is L3's over the whole context.
 
-    L3's grid, search and causal mask (query i of a chunk sits at seq_len - q_len + i),
-    but every key loop starts at prefix_len. Then the merge, L4's rule in online form:
-    each part p of pass 1 is one more "key" with score lse[.., p] (base 2) and value
-    parts[.., p, :]; an empty part (lse = -inf) weighs 0 and its v is never multiplied
-    in. NUM_PARTS = 0 (no prefix): nothing to fold. Write acc / l to out in out's
-    dtype. PDL (only ever True on a GPU, hint 6): gdc_wait() before the first part.
+    NUM_PARTS = 0 (no prefix): plain L3. An empty part (lse = -inf) weighs nothing, and
+    its v, which may be anything, must not reach the result. PDL: on a GPU, launched
+    while pass 1 may still run (optional, content/l6.md §4 and hint 6); then pass 1's
+    parts may be read only once pass 1 has finished.
     """
-    # TODO(l6): L3's kernel (content/l3.md §4), its key loops starting at prefix_len;
-    # then fold pass 1's parts into m, l, acc (content/l6.md §4); store to out.
+    # TODO(l6): your pass 2 and merge (content/l3.md §4, content/l6.md §4; hints in §7).
     raise NotImplementedError("suffix_kernel is not written yet: see content/l6.md §4")
 
 
@@ -96,12 +95,13 @@ def cascade_attention(query, k_cache, v_cache, block_table, query_start_loc, seq
 
     L3's arguments and contract (content/l3.md §1), plus common_prefix_len: a whole
     number of blocks that every block-table row shares and that no sequence's cached
-    context (seq_len - q_len) is shorter than; 0 means plain L3. Raise ValueError,
-    naming the argument and the fix, for L3's bad inputs and, on the CPU, a prefix
-    that is not a block multiple, longer than a cached context, or over columns not
-    shared by every row. Pass 1 (prefix_kernel), then pass 2 (suffix_kernel), which
-    also merges.
+    context (seq_len - q_len) is shorter than; 0 means plain L3. The prefix's K/V are
+    read once for the whole batch. Raise ValueError, naming the argument and the fix,
+    for L3's bad inputs and for a common_prefix_len that is negative, not a multiple
+    of block_size or wider than the block table; on the CPU also for one longer than a
+    sequence's cached context or over columns not shared by every row (those two read
+    the tensors' values: a GPU skips them, as vLLM does, and trusts cascade_prefix_len)
+    (content/l6.md §6).
     """
-    # TODO(l6): check the inputs (content/l6.md §6); allocate out; with a prefix,
-    # parts (the query's dtype) and fp32 lse for num_splits parts and pass 1; then pass 2 (§4).
+    # TODO(l6): check the inputs, then run both passes (content/l6.md §4 and §6; hints in §7).
     raise NotImplementedError("cascade_attention is not written yet: see content/l6.md §4 and §6")

@@ -58,11 +58,11 @@ def check_self_tests(text):
     ps = int(re.search(r"page_size = (\d+)", q1).group(1))
     want = ref_block_table_to_csr(torch.tensor(table), torch.tensor(lens), ps)
     for name, w in zip(("kv_indptr", "kv_indices", "kv_last_page_len"), want):
-        assert _ints(re.search(rf"{name} = (\[[\d, ]+\])", q1.split("> ", 1)[1]).group(1)) == w.tolist(), name
+        assert _ints(re.search(rf"{name} = (\[[\d, ]+\])", q1.split("</summary>", 1)[1]).group(1)) == w.tolist(), name
 
     q2 = s9[s9.index("**自测 2**"):s9.index("**自测 3**")]
     ps, npages, last = map(int, re.search(r"page_size = (\d+).*?(\d+) 页.*?last_page_len = (\d+)", q2, re.S).groups())
-    seq_len = int(re.search(r"seq_len = .*?= (\d+)", q2.split("> ", 1)[1]).group(1))
+    seq_len = int(re.search(r"seq_len = .*?= (\d+)", q2.split("</summary>", 1)[1]).group(1))
     assert seq_len == (npages - 1) * ps + last
 
     q3 = s9[s9.index("**自测 3**"):s9.index("**自测 4**")]
@@ -70,13 +70,13 @@ def check_self_tests(text):
     ptr = _ints(re.search(r"kv_indptr = (\[[\d, ]+\])", q3).group(1))
     ps = int(re.search(r"page_size = (\d+)", q3).group(1))
     b, pos = map(int, re.search(r"序列 (\d+) 的 position (\d+)", q3).groups())
-    page, entry = map(int, re.search(r"page (\d+)、entry (\d+)", q3.split("> ", 1)[1]).groups())
+    page, entry = map(int, re.search(r"page (\d+)、entry (\d+)", q3.split("</summary>", 1)[1]).groups())
     assert (page, entry) == (ind[ptr[b] + pos // ps], pos % ps)
 
     q4 = s9[s9.index("**自测 4**"):s9.index("**自测 5**")]
     h, d, ps = map(int, re.search(r"H = (\d+)、D = (\d+)、page_size = (\d+)", q4).groups())
     page, entry, head = map(int, re.search(r"page (\d+)、entry (\d+)、head (\d+)", q4).groups())
-    nhd, hnd = map(int, re.search(r"NHD：[^=]*= (\d+).*?HND：[^=]*= (\d+)", q4.split("> ", 1)[1], re.S).groups())
+    nhd, hnd = map(int, re.search(r"NHD：[^=]*= (\d+).*?HND：[^=]*= (\d+)", q4.split("</summary>", 1)[1], re.S).groups())
     assert torch.empty(page + 1, ps, h, d)[page, entry, head, 0].storage_offset() == nhd
     assert torch.empty(page + 1, h, ps, d)[page, head, entry, 0].storage_offset() == hnd
 
