@@ -2,6 +2,7 @@
 mine/ still raises NotImplementedError, stubs and solutions expose the same
 names and signatures, and the trees import nothing from tests/ or each other."""
 import ast
+import re
 import inspect
 import subprocess
 
@@ -80,3 +81,54 @@ def test_trees_import_nothing_from_tests_or_each_other(tree):
                 continue
             for name in names:
                 assert name.split(".")[0] in allowed, f"{path.relative_to(ROOT)} imports {name}"
+
+
+# ---------------------------------------------------------------------------
+# A stub tells the contract, not the recipe (issue 37): its docstrings name no Triton
+# call and no number the design contract does not.
+
+RECIPE_WORDS = re.compile(r"\btl\.\w+|\btriton\.\w+|\bdiv_rn\b|\bprogram_id\b|\bgdc_\w+|\bexp2\b|\blog2\b|\bgrid\b|"
+                          r"\bnum_warps\b|\bnum_stages\b|\bconstexpr\b|\bprograms? per\b|\btiles?\b", re.I)
+# The numbers the design contract states (ignoring license years and versions): slot -1,
+# >= 1 and [B + 1], 2**31 elements, blocks of 16 and a budget of 256 tokens (E1's defaults),
+# unified attention's 3-D path (L4), 4-D and 5-D caches (F1), fp8's largest finite values, E1's 1e-3.
+CONTRACT_NUMBERS = {"0", "1", "2", "3", "4", "5", "16", "256", "448", "57344", "1e-3", "2**31"}  # and their negatives
+NUMBER = re.compile(r"2\*\*31|2\^31|(?<![\w.§#])-?\d+(?:\.\d+)?(?:e-?\d+)?(?![\w])")
+
+
+def recipe_in_docstring(doc):
+    """What a stub docstring says that the contract does not: Triton calls, launch words,
+    numbers outside CONTRACT_NUMBERS. References (§5, §5.3, hint 6, an issue's #11584) are not numbers."""
+    text = re.sub(r"§\d+(?:\.\d+)?|#\d+|\bhints? \d+", " ", doc or "")
+    found = RECIPE_WORDS.findall(text)
+    found += [n for n in NUMBER.findall(text) if n.lstrip("-") not in CONTRACT_NUMBERS]
+    return found
+
+
+def _docstrings(source):
+    tree = ast.parse(source)
+    yield "module", ast.get_docstring(tree)
+    for node in ast.walk(tree):
+        if isinstance(node, (ast.FunctionDef, ast.ClassDef)):
+            yield node.name, ast.get_docstring(node)
+
+
+@pytest.mark.parametrize("stem", STEMS)
+def test_stub_docstrings_state_the_contract_not_the_recipe(stem):
+    """Each docstring of mine/<stem>.py (module, functions, classes) names no Triton call,
+    no launch word (grid, program_id, one program per, tile) and no number the design contract does not: the
+    recipe lives in the page's hints and folded walkthrough."""
+    source = (ROOT / "mine" / f"{stem}.py").read_text()
+    told = {name: found for name, doc in _docstrings(source) if (found := recipe_in_docstring(doc))}
+    assert not told, f"mine/{stem}.py docstrings give the recipe away: {told}"
+
+
+def test_the_recipe_check_catches_a_planted_docstring():
+    planted = '''"""One program per token (tl.program_id(0)): the quotient with tl.math.div_rn,
+    clamped to +-480, in tiles of 64; grid (T,)."""'''
+    found = recipe_in_docstring(ast.literal_eval(planted))
+    assert {"tl.program_id", "tl.math", "div_rn", "-480", "64", "grid", "program per", "tiles"} <= set(found), found
+    for contract in ("slot -1 is padding; offsets hold past 2**31 elements (content/l1.md §5).",
+                     "saturated to +-448 (e4m3fn) or 57344 (e5m2); int32 or int64, fp32, float8_e4m3fn.",
+                     "kv_indptr [B+1]: kv_indptr[0] = 0; a 5-D tensor; see content/l4.md §5.3 and triton-lang/triton#11584."):
+        assert recipe_in_docstring(contract) == [], (contract, recipe_in_docstring(contract))
