@@ -12,6 +12,7 @@ import difflib
 import json
 import os
 import re
+import signal
 import subprocess
 import sys
 import time
@@ -51,23 +52,41 @@ def hint(drill, console):
 # --- reset ---------------------------------------------------------------------
 
 
-def is_stub(source):
-    """Every public function raises NotImplementedError (a pristine stub)."""
-    functions = [n for n in ast.parse(source).body if isinstance(n, ast.FunctionDef) and not n.name.startswith("_")]
-    return bool(functions) and all(
+def _public_functions(source):
+    return {n.name: n for n in ast.parse(source).body if isinstance(n, ast.FunctionDef) and not n.name.startswith("_")}
+
+
+def is_stub(source, reference=None):
+    """Every public function raises NotImplementedError (a pristine stub), but for the
+    helpers the stub gives: those written exactly as in `reference` (the solution's source),
+    such as E1's replay_block_manager (design.md: "given in the stub")."""
+    functions = _public_functions(source)
+    given = _public_functions(reference) if reference else {}
+    exercise = [f for name, f in functions.items()
+                if name not in given or ast.dump(f) != ast.dump(given[name])]
+    return bool(exercise) and all(
         any(isinstance(x, ast.Raise) and "NotImplementedError" in ast.unparse(x) for x in ast.walk(f))
-        for f in functions)
+        for f in exercise)
+
+
+def _git_show(commit, path):
+    return subprocess.run(["git", "show", f"{commit}:{path}"], cwd=ROOT, capture_output=True, text=True).stdout
 
 
 def pristine_stub(stem):
-    """The newest committed version of mine/<stem>.py that is still a stub."""
+    """The newest committed version of mine/<stem>.py that is still a stub (its given helpers
+    compared with the solution of the same commit, else of the working tree)."""
     path = f"mine/{stem}.py"
     log = subprocess.run(["git", "log", "--format=%H", "--", path], cwd=ROOT, capture_output=True, text=True)
     if log.returncode != 0:
         raise RuntimeError("reset needs the git history of this repository (git log failed)")
+    current = ROOT / "solutions" / f"{stem}.py"
     for commit in log.stdout.split():
-        source = subprocess.run(["git", "show", f"{commit}:{path}"], cwd=ROOT, capture_output=True, text=True).stdout
-        if source and is_stub(source):
+        source = _git_show(commit, path)
+        if not source:
+            continue
+        references = [_git_show(commit, f"solutions/{stem}.py")] + ([current.read_text()] if current.exists() else [])
+        if any(is_stub(source, reference) for reference in references if reference) or is_stub(source):
             return source
     raise RuntimeError(f"no committed version of {path} is a stub")
 
@@ -152,6 +171,9 @@ def _doctor_report(console, rows, ok):
 
 
 def watch(drill, tree, grade_once, console, interval=1.0):
+    """Grade the drill now and whenever its file changes; Ctrl-C is how a learner stops, so
+    it ends with exit status 0, whether it comes while waiting or in a grade (whose own
+    handler stops the test processes and exits 128 + SIGINT: tests/_process.py)."""
     path = tree_path(tree) / f"{drill.stem}.py"
     console.print(f"watching {path}; Ctrl-C to stop")
     last = None
@@ -163,7 +185,12 @@ def watch(drill, tree, grade_once, console, interval=1.0):
                 grade_once()
             time.sleep(interval)
     except KeyboardInterrupt:
-        return 0
+        pass
+    except SystemExit as stop:
+        if stop.code != 128 + signal.SIGINT:
+            raise
+    console.print("stopped watching")
+    return 0
 
 
 def diff(drill, tree, console):
