@@ -42,7 +42,7 @@ $(VENV)/.ready: pyproject.toml
 # grader.py exits 1 unless every drill passes (for scripts); for a learner that
 # is the normal state of things, not an error of make's.
 grade: setup
-	@DRILLS_KERNELS='$(KERNELS)' $(PY) grader.py --tree $(TREE) $(if $(TIMEOUT),--test-timeout $(TIMEOUT)) $(DRILL) || true
+	@DRILLS_KERNELS='$(KERNELS)' $(PY) grader.py --tree $(TREE) $(if $(TIMEOUT),--test-timeout $(TIMEOUT)) $(DRILL) || { code=$$?; [ $$code -eq 1 ] || exit $$code; }
 
 test: setup
 	$(PY) -m pytest --tree solutions -q
@@ -52,7 +52,7 @@ bench: setup
 
 diff reset hint show watch: setup
 	@test -n "$(DRILL)" || { echo "usage: make $@ DRILL=l1"; exit 2; }
-	$(PY) grader.py $@ $(DRILL) --tree $(TREE)
+	$(PY) grader.py $@ $(DRILL) --tree $(TREE)$(if $(filter watch,$@), || { code=$$?; [ $$code -eq 130 ] || exit $$code; })
 
 doctor: setup
 	$(PY) grader.py doctor
