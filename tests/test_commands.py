@@ -58,6 +58,70 @@ def test_reset_finds_the_stub_even_after_the_learner_committed(clone):
     assert (clone / "mine/l1_paged_kv_write.py").read_text() == stub
 
 
+def test_reset_of_e1_keeps_the_given_helper_and_finds_the_stub(clone):
+    """E1's stub gives replay_block_manager written out (design.md): a helper written exactly
+    as in the reference is not an exercise, so the stub is still a stub."""
+    path = clone / "mine/e1_paged_engine.py"
+    stub = path.read_text()
+    path.write_text(stub.replace('raise NotImplementedError("generate', 'return []  # mine\n    raise NotImplementedError("'))
+    result = grader("reset", "e1", cwd=clone)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert path.read_text() == stub
+
+
+def test_a_stub_may_give_helpers_written_as_the_reference_has_them():
+    from _commands import is_stub
+
+    helper = "def helper(x):\n    return x + 1\n"
+    stub = "def f(x):\n    raise NotImplementedError('f: read content/l1.md §4')\n\n\n" + helper
+    assert is_stub(stub, "def f(x):\n    return x\n\n\n" + helper)
+    assert not is_stub(stub, "def f(x):\n    return x\n\n\ndef helper(x):\n    return x + 2\n")  # a learner's
+    assert not is_stub(stub) and not is_stub(helper, helper)  # nothing left to write is no stub
+
+
+@pytest.mark.parametrize("target,exits,make_exits", [("grade", 1, 0), ("grade", 2, 2), ("watch", 130, 0),
+                                                     ("watch", 2, 2), ("show", 130, 2)])
+def test_make_fails_on_a_usage_error_not_on_a_failing_grade_or_a_stopped_watch(tmp_path, target, exits, make_exits):
+    """The Makefile's recipes, with grader.py replaced by a script that exits `exits`:
+    a failing grade (1) and Ctrl-C out of watch (130) are a learner's normal day; a usage
+    error (2) is make's error too."""
+    venv = tmp_path / "venv"
+    (venv / "bin").mkdir(parents=True)
+    (venv / "bin/python").write_text(f"#!/bin/sh\nexit {exits}\n")
+    (venv / "bin/python").chmod(0o755)
+    (venv / ".ready").touch()
+    os.utime(venv / ".ready", (2 ** 31, 2 ** 31))  # newer than pyproject.toml: no set-up runs
+    result = subprocess.run(["make", "-s", target, "DRILL=l1", f"VENV={venv}"], cwd=ROOT, capture_output=True,
+                            text=True, timeout=60)
+    assert result.returncode == make_exits, result.stdout + result.stderr
+    assert ("Error" in result.stderr) == bool(make_exits), result.stderr
+
+
+def test_ctrl_c_out_of_watch_exits_0(tmp_path):
+    """Ctrl-C while the first grade runs (the grade's own handler exits 130) and while
+    waiting for a change: watch ends with status 0 either way."""
+    import signal
+    import time
+
+    from _commands import pristine_stub
+
+    (tmp_path / "tree").mkdir()
+    (tmp_path / "tree/l1_paged_kv_write.py").write_text(pristine_stub("l1_paged_kv_write"))
+    tree = tmp_path / "tree"
+    for wait_for in ("watching", "not started"):  # stopped in the grade, then after it
+        out = tmp_path / f"out-{wait_for}"
+        with open(out, "w") as sink:
+            process = subprocess.Popen([sys.executable, "grader.py", "watch", "l1", "--tree", str(tree)], cwd=ROOT,
+                                       stdout=sink, stderr=subprocess.STDOUT, env={**os.environ, "COLUMNS": "160"})
+            deadline = time.monotonic() + 120
+            while wait_for not in out.read_text() and time.monotonic() < deadline and process.poll() is None:
+                time.sleep(0.2)
+            time.sleep(0.5 if wait_for == "watching" else 2)
+            process.send_signal(signal.SIGINT)
+            assert process.wait(timeout=60) == 0, out.read_text()
+        assert "stopped watching" in out.read_text()
+
+
 def test_doctor_is_happy_here(here):
     code, out = here("doctor")
     assert code == 0 and "ready" in out, out
