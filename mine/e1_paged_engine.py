@@ -62,14 +62,17 @@ class BlockManager:
         """A new sequence seq_id (any hashable id) of num_tokens tokens: it gets its blocks.
 
         ValueError when num_tokens is more than the whole cache holds (num_blocks *
-        block_size) (content/e1.md §4)."""
+        block_size). Fewer free blocks than it needs, or a seq_id already live: the tests
+        never ask; raising ValueError and changing nothing, as the reference does, is the
+        safe answer (content/e1.md §4)."""
         # TODO(e1 §4)
         raise NotImplementedError("BlockManager.allocate: read content/e1.md §4")
 
     def append(self, seq_id, num_tokens):
         """num_tokens more tokens of the live sequence seq_id: it owns ceil(total / block_size)
         blocks afterwards, its earlier blocks unmoved. ValueError when the total is more
-        than the whole cache holds (content/e1.md §4)."""
+        than the whole cache holds; fewer free blocks than it needs: as allocate
+        (content/e1.md §4)."""
         # TODO(e1 §4)
         raise NotImplementedError("BlockManager.append: read content/e1.md §4")
 
@@ -103,7 +106,9 @@ def generate(model, prompts, max_new_tokens, *, block_size=16, num_blocks=None, 
              kernels=None):
     """Greedy decoding of every prompt through the paged engine: a list with, per prompt,
     the new token ids only (a list of ints), ending at the model's EOS (included) or
-    after max_new_tokens (content/e1.md §1 and §5).
+    after max_new_tokens (content/e1.md §1 and §5). The EOS ids are
+    model.generation_config.eos_token_id (what model.generate uses): an int or a list,
+    any of which ends a request.
 
     prompts: non-empty lists of token ids; max_new_tokens: an int >= 1 or one per
     prompt. Each token must be the model's greedy choice up to floating point (its

@@ -137,7 +137,7 @@ def merge_states_kernel(
     HEAD_SIZE: tl.constexpr,   # D
     D_PAD: tl.constexpr,       # D rounded up to a power of two
 ):
-    # L4's phase 2, unchanged: the parts already hold dequantised outputs.
+    # L4's phase 2 without the merged LSE (no out_lse_ptr): the parts hold dequantised outputs.
     row = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1).to(tl.int64)
     parts = tl.arange(0, PARTS_PAD)

@@ -1,9 +1,12 @@
 """Drill E1's page checks: the worked example's table (content/e1.md §3) is what the
 page's scheduling rule gives (reference.simulate), and the self-test answers."""
 import re
+from types import SimpleNamespace
+
+from _tree import load_drill
 
 from .cases import WORKED_EXAMPLE
-from .reference import simulate, step_tensors
+from .reference import eos_ids, simulate, step_tensors
 
 
 def _table_rows(text):
@@ -43,6 +46,40 @@ def check_free_blocks_before_the_last_step(text):
     assert taken == free[0] and f"给编号最小的 {taken}" in text
 
 
+def check_padded_block_tables(text):
+    """§3: the block tables L3 gets are -1-padded to the widest row; the page shows steps 0
+    and 1, and the reference's BlockManager gives the same tensors."""
+    ex = WORKED_EXAMPLE
+    steps = simulate(ex["prompt_lens"], ex["max_new"], ex["block_size"], None, ex["budget"])
+    shown = []
+    for step in steps[:2]:
+        width = max(len(row) for row in step["block_table"])
+        shown.append([row + [-1] * (width - len(row)) for row in step["block_table"]])
+    said = "".join(f"步 {s} 是 `{str(t).replace(' ', '').replace(',', ', ')}`" + ("，" if s == 0 else "")
+                   for s, t in enumerate(shown))
+    assert said in text, f"§3 should say {said}"
+    manager = load_drill("solutions", "e1_paged_engine").BlockManager(6, ex["block_size"])
+    manager.allocate("A", 5), manager.allocate("B", 3)
+    assert manager.block_table(["A", "B"]).tolist() == shown[0]
+
+
+def check_eos_rule(text):
+    """§5: the EOS ids are generation_config.eos_token_id (an int or a list); the tests'
+    reference reads only it, the reference solution falls back to config.eos_token_id."""
+    part = text[text.index("**请求什么时候结束。**"):text.index("一个请求最多占多少块")]
+    for needle in ("`model.generation_config.eos_token_id`", "`model.config.eos_token_id`", "列表", "`eos_ids`", "`_eos_ids`"):
+        assert needle in part, f"§5's EOS paragraph should name {needle}"
+    solution = load_drill("solutions", "e1_paged_engine")
+
+    def model(generation, config):
+        return SimpleNamespace(generation_config=SimpleNamespace(eos_token_id=generation),
+                               config=SimpleNamespace(eos_token_id=config))
+    assert solution._eos_ids(model([3, 4], 9)) == eos_ids(model([3, 4], 9)) == {3, 4}
+    assert solution._eos_ids(model(7, 7)) == eos_ids(model(7, 7)) == {7}
+    assert solution._eos_ids(model(None, 7)) == {7} and eos_ids(model(None, 7)) == set()
+    assert solution._eos_ids(model(None, None)) == eos_ids(model(None, None)) == set()
+
+
 def check_self_test_blocks(text):
     """§10 question 1: a 1000-token prompt with 200 new tokens in blocks of 16 needs
     ceil(1199 / 16) = 75 blocks at most (the last new token never enters the cache)."""
@@ -57,4 +94,5 @@ def check_self_test_budget(text):
     assert "一共 4 步" in text.split("## 10")[1]
 
 
-PAGE_CHECKS = (check_worked_example_table, check_free_blocks_before_the_last_step, check_self_test_blocks, check_self_test_budget)
+PAGE_CHECKS = (check_worked_example_table, check_free_blocks_before_the_last_step, check_padded_block_tables,
+               check_eos_rule, check_self_test_blocks, check_self_test_budget)

@@ -60,6 +60,26 @@ def check_source_dtype_division(text):
     assert said in part, f"§5 should say: {said}"
 
 
+def check_contract_details(text):
+    """§1: L5's merge_states_kernel is L4's without the merged LSE (no out_lse_ptr), and
+    key and value share one dtype (§8): a mixed pair is refused."""
+    import inspect
+    l4, l5 = load_drill("solutions", "l4_split_kv_decode"), load_drill("solutions", "l5_fp8_kv_cache")
+    params = {m: list(inspect.signature(getattr(m.merge_states_kernel, "fn", m.merge_states_kernel)).parameters)
+              for m in (l4, l5)}
+    assert "out_lse_ptr" in params[l4] and "out_lse_ptr" not in params[l5]
+    assert params[l5] == [p for p in params[l4] if p != "out_lse_ptr"]
+    assert "签名里没有 L4 的 `out_lse_ptr`" in section(text, 1) and "原样" not in section(text, 1)
+    case = write_case(num_tokens=2, num_heads=2, head_size=16, seed=1)
+    try:
+        l5.reshape_and_cache_fp8(case.key, case.value.to(torch.float16), *case.args()[2:])
+    except ValueError:
+        pass
+    else:
+        raise AssertionError("the reference accepted key and value of different dtypes")
+    assert "写入的 key 和 value 是同一种 dtype" in section(text, 1) and "写入的 key、value 是同一种 dtype" in section(text, 8)
+
+
 def check_self_test_quantise(text):
     q = re.search(r"自测 1.*?k_scale = ([\d.]+).*?K 值是 ([\d.]+).*?存 \*\*(\d+)\*\*.*?得 \*\*([\d.]+)\*\*", text, re.S)
     scale, x, stored, back = float(q.group(1)), float(q.group(2)), float(q.group(3)), float(q.group(4))
@@ -110,5 +130,5 @@ def check_torch_saturation(text):
 
 
 PAGE_CHECKS = (check_traffic_line, check_worked_example_table, check_format_table, check_interpreter_counts,
-               check_source_dtype_division, check_torch_saturation,
+               check_source_dtype_division, check_torch_saturation, check_contract_details,
                check_self_test_quantise, check_self_test_saturation, check_self_test_write_bytes, check_bytes_saved)
