@@ -1,9 +1,10 @@
 """Checks of the repository itself: every drill has its four files, every stub in
 mine/ still raises NotImplementedError, stubs and solutions expose the same
-names and signatures, and the trees import nothing from tests/ or each other."""
+names and signatures, stub docstrings state the contract and not the recipe, and
+the trees import nothing from tests/ or each other."""
 import ast
-import re
 import inspect
+import re
 import subprocess
 
 import pytest
