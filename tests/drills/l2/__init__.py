@@ -24,7 +24,8 @@ from .mistakes import PLANTED
 from .page import PAGE_CHECKS
 from .picture import draw_case, picture
 from .reference import DECODE_TOLERANCE, ref_paged_decode
-from .traffic import check_table_read_only_to_last_block, traffic, traffic_case
+from .traffic import check_a_host_read_of_the_whole_table_fails_no_test, check_table_read_only_to_last_block, traffic, \
+    traffic_case
 
 DRILL = Drill(
     **PLANTED.fields(),
@@ -39,7 +40,7 @@ DRILL = Drill(
     picture=picture,
     draw_case=draw_case,
     page_checks=PAGE_CHECKS,
-    fixture_checks=FIXTURE_CHECKS,
+    fixture_checks=(*FIXTURE_CHECKS, check_a_host_read_of_the_whole_table_fails_no_test),
 )
 
 __all__ = ["DRILL", "DECODE_EXAMPLE", "DECODE_TOLERANCE", "DecodeCase", "_case_for_mutations",

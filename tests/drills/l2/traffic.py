@@ -54,6 +54,45 @@ def check_table_read_only_to_last_block(module, case):
     return True
 
 
+# A right answer whose host code reads the whole block table, as design.md (L2) allows:
+# `block_table.long()` reads every entry, the garbage past each sequence's last block too.
+_HOST_READS_THE_TABLE = (
+    "    block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]\n",
+    "    block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]\n"
+    "    owned = torch.arange(block_table.shape[1], device=block_table.device)[None, :] < (\n"
+    "        (seq_lens.long() + block_size - 1) // block_size)[:, None]\n"
+    "    if bool((block_table.long()[owned] >= k_cache.shape[0]).any()):\n"
+    "        raise ValueError('a block-table entry names a block past the cache')\n")
+
+
+def check_a_host_read_of_the_whole_table_fails_no_test(device):
+    """The reference behind host code that reads the whole block table passes L2's
+    block-table cases: garbage columns that name NaN blocks, blocks far past the cache, and
+    negative numbers, and the counted check (only the kernel's loads count). Reading the
+    tensor the caller passed never fails a right answer; a kernel's whole-row loads are
+    caught by the counted check and reported as traffic."""
+    import tempfile
+
+    from _tree import parameters
+    from _worker import tree_module
+    from _wrong import plant_edits
+    from .cases import far_garbage_case, small_case
+
+    negative = far_garbage_case(device)
+    garbage = ~owned_columns(negative.seq_lens, negative.block_size, negative.block_table.shape[1])
+    negative.block_table[garbage.to(negative.block_table.device)] = torch.tensor(
+        [-1, -2 ** 31], dtype=torch.int32).repeat(int(garbage.sum()))[:int(garbage.sum())].to(negative.block_table.device)
+    with tempfile.TemporaryDirectory() as folder:
+        contract = {fn: (names, ("out",) if fn == "paged_decode_attention" else ())  # the drill's `writes`
+                    for fn, names in parameters(PLANTED.stem).items()}
+        module = tree_module(plant_edits(PLANTED, (_HOST_READS_THE_TABLE,), folder), PLANTED.stem, contract)
+        for case in (small_case(device, [128, 32, 1, 20], extra_columns=0, seed=4), far_garbage_case(device), negative,
+                     small_case(device, [5, 17, 32, 40], extra_columns=3, seed=6)):
+            out = poisoned_out(case.query.shape, case.query.dtype, case.query.device, torch.Generator().manual_seed(0))
+            check_paged_decode(case, out, module.paged_decode_attention(*case.args(), **case.kwargs(), out=out.view))
+        check_table_read_only_to_last_block(module, small_case(device, [5, 17, 32, 40], extra_columns=3, seed=6))
+
+
 def traffic_parts(p):
     """The fewest bytes of a decode step, tensor by tensor; they sum to decode_bytes (the
     bandwidth report's count). The indices are the tensors' places in the call."""
