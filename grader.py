@@ -37,7 +37,7 @@ from _manifest import DRILLS, drill as find_drill  # noqa: E402
 from _process import become_subreaper, kill_leftovers, stop_children_on_signals  # noqa: E402
 from _render import Printer, cleaned, for_json, make_console  # noqa: E402
 from _tree import default_tree, tree_path  # noqa: E402
-from _worker import SANDBOX  # noqa: E402
+from _worker import SANDBOX, SHORT_TIMEOUT, TIMEOUT  # noqa: E402
 
 COMMANDS = ("show", "hint", "reset", "doctor", "watch", "diff")
 
@@ -81,13 +81,16 @@ def grade_one(drill, tree, args, workdir, spinner, console):
     line; `seconds` is the wall time the learner waited for all of it."""
     started = time.monotonic()
     summary = _grading.grade_drill(drill, tree, args.timeout, workdir, args.test_timeout)
+    # Where the learner's code hung in a test, the picture and the traffic case give it a short
+    # limit (tests/_worker.py's SHORT_TIMEOUT) rather than waiting the whole one again.
+    limit = SHORT_TIMEOUT if summary.get("timed_out") else (args.test_timeout or TIMEOUT)
     if summary["status"] == "failing":
         spinner.update(f"drawing {drill.id.upper()}...")
-        summary["picture"] = _picture.in_subprocess(drill, tree, console.width, console.is_terminal, workdir)
+        summary["picture"] = _picture.in_subprocess(drill, tree, console.width, console.is_terminal, workdir, limit)
     if summary["status"] != "not started" and _env.INTERPRET:  # on a GPU the bandwidth report speaks
         spinner.update(f"counting {drill.id.upper()}'s bytes...")
         import _traffic  # numpy: not needed by `doctor`, which checks for it
-        summary["traffic"] = _traffic.with_reference(drill, tree, ROOT / "solutions")
+        summary["traffic"] = _traffic.with_reference(drill, tree, ROOT / "solutions", limit)
     summary["seconds"] = round(time.monotonic() - started, 1)
     # The picture's and the traffic line's words come from subprocesses that ran the
     # learner's code: text, from here on (the picture keeps its colour codes: see _render).

@@ -121,6 +121,7 @@ def summarize(drill, records, problems=()):
                    failed=total - passed, skipped=skipped, total=total, problem="\n".join(problems) or None,
                    first_failure=None, diagnosis=[])
 
+    summary["timed_out"] = any(r.get("kind") == "timeout" for r in failures)
     real = [r for r in failures if r.get("kind") != "not_implemented"]
     ordered = sorted(real, key=_simplest_first)
     first = (ordered or failures or [None])[0]

@@ -7,9 +7,12 @@ import sys
 from pathlib import Path
 
 from _process import run_process
+from _worker import TIMEOUT
+
+SUBPROCESS_SLACK = 90  # seconds for a subprocess's own start and its worker's, beside the learner's time
 
 
-def in_subprocess(drill, tree, width, color, workdir):
+def in_subprocess(drill, tree, width, color, workdir, test_timeout=None):
     """`grader.py show` for a failing drill: the first small case that failed if the
     tests saved one, else the page's example. None when there is no picture."""
     if drill.picture is None:
@@ -17,12 +20,14 @@ def in_subprocess(drill, tree, width, color, workdir):
     saved = Path(workdir) / f"{drill.id}-case.pt"
     which = ["--case", str(saved)] if saved.exists() and drill.draw_case else []
     env = {"COLUMNS": str(width), **({"FORCE_COLOR": "1"} if color else {})}
-    code, out, err = run_process([sys.executable, "grader.py", "show", drill.id, "--tree", str(tree), *which], 120,
-                                 env)
+    if test_timeout:  # the learner's code obeys the grade's limit here too
+        env["DRILLS_TIMEOUT"] = str(test_timeout)
+    code, out, err = run_process([sys.executable, "grader.py", "show", drill.id, "--tree", str(tree), *which],
+                                 SUBPROCESS_SLACK + (test_timeout or TIMEOUT), env)
     if code != 0:
         return None
     title = "the first small failing case" if which else f"the example of {drill.page}"
-    return f"{title}, drawn (python grader.py show {drill.id}):\n{out}"
+    return f"{title}, drawn (make show DRILL={drill.id}):\n{out}"
 
 
 def show(drill, tree, console, case_path=None):
@@ -32,7 +37,7 @@ def show(drill, tree, console, case_path=None):
     stub's NotImplementedError, an exception, a wrong answer: the picture says which);
     1 only when no picture could be drawn, with a sentence saying why."""
     if drill.picture is None:
-        console.print(f"{drill.id.upper()} has no picture; python grader.py {drill.id} grades it")
+        console.print(f"{drill.id.upper()} has no picture; make grade DRILL={drill.id} grades it")
         return 0
     try:
         if case_path:

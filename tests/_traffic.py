@@ -2,7 +2,9 @@
 in the worker, under the CPU interpreter) against the fewest the op needs. Names no
 drill: each drill's traffic.py describes its parts and its sentences.
 """
+import hashlib
 import json
+import os
 import re
 import sys
 from dataclasses import dataclass
@@ -104,13 +106,16 @@ def check_page_line(text, drill_id, result):
     assert result is None or shown == result["line"], f"the page shows {shown!r}, the reference gives {result['line']!r}"
 
 
-def in_subprocess(drill, tree, timeout=300):
+def in_subprocess(drill, tree, test_timeout=None):
     """The drill's traffic report for `tree` as a dict, or dict(error=...) ; None without
     a traffic case or on a GPU. Run in a process of its own (tests/_entry.py), since the
     learner's code may crash."""
     if drill.traffic is None or not _env.INTERPRET:
         return None
-    code, out, err = run_process([sys.executable, "tests/_entry.py", "traffic", drill.id, str(tree)], timeout)
+    limit = test_timeout or float(os.environ.get("DRILLS_TIMEOUT", 60))
+    # The learner's code obeys the grade's limit here too; the rest is this process's start and its worker's.
+    code, out, err = run_process([sys.executable, "tests/_entry.py", "traffic", drill.id, str(tree)], 90 + limit,
+                                 {"DRILLS_TIMEOUT": str(limit)})
     if code != 0:
         tail = (err or out or "").strip().splitlines()[-1:] or ["no output"]
         return dict(error=f"the traffic case did not run ({'timed out' if code is None else f'exit {code}'}): "
@@ -118,12 +123,29 @@ def in_subprocess(drill, tree, timeout=300):
     return json.loads(out.strip().splitlines()[-1])
 
 
-def with_reference(drill, tree, reference):
+def with_reference(drill, tree, reference, test_timeout=None):
     """in_subprocess for `tree`, with the `reference` tree's line for the same case beside
-    it (result["reference"]), so a learner can tell their ratios from the page's."""
-    result = in_subprocess(drill, tree)
+    it (result["reference"]), so a learner can tell their ratios from the page's. The
+    reference's line is kept in .drills/ (keyed by the reference's and the drill's files),
+    so a grade runs only the learner's case."""
+    result = in_subprocess(drill, tree, test_timeout)
     if result is not None and Path(tree).resolve() != Path(reference).resolve():
-        theirs = in_subprocess(drill, reference)
-        result["reference"] = theirs.get("line") if theirs else None
+        result["reference"] = _reference_line(drill, reference)
     return result
+
+
+def _reference_line(drill, reference):
+    root = Path(__file__).resolve().parent
+    key = hashlib.sha1()
+    for path in [Path(reference) / f"{drill.stem}.py", *sorted((root / "drills" / drill.id).glob("*.py")),
+                 root / "_traffic.py", root / "_counting.py"]:
+        key.update(path.read_bytes() if path.is_file() else b"")
+    cache = root.parent / ".drills" / f"traffic-{drill.id}-{key.hexdigest()[:16]}.json"
+    if cache.is_file():
+        return json.loads(cache.read_text()).get("line")
+    theirs = in_subprocess(drill, reference)
+    if theirs and "line" in theirs:
+        cache.parent.mkdir(exist_ok=True)
+        cache.write_text(json.dumps(dict(line=theirs["line"])))
+    return theirs.get("line") if theirs else None
 

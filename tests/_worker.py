@@ -35,7 +35,6 @@ DRILLS_ISOLATE=0 runs the module in the test process instead (handy with a
 debugger); the grade always isolates.
 """
 import atexit
-import io
 import json
 import os
 import pickle
@@ -47,7 +46,6 @@ import subprocess
 import sys
 import tempfile
 import time
-import traceback
 from pathlib import Path
 
 import torch
@@ -55,12 +53,13 @@ import torch
 import _channel
 import _data
 import _sandbox
-from _process import _CHILDREN, die_with_parent, kill_descendants
+from _process import _CHILDREN, kill_descendants
 
 ISOLATE = os.environ.get("DRILLS_ISOLATE", "1") != "0"
 # Seconds of the learner's code one test (or hypothesis example) may use (DRILLS_TIMEOUT;
 # make grade TIMEOUT=...).
 TIMEOUT = float(os.environ.get("DRILLS_TIMEOUT", "60"))
+SHORT_TIMEOUT = min(5.0, TIMEOUT)  # at least this for a call of a function that hung before
 BOOT_TIMEOUT = 600  # seconds a worker may take to import torch and Triton (a cold disk is slow)
 
 SANDBOX = _sandbox.describe()
@@ -116,8 +115,10 @@ class Worker:
 
     def __init__(self, readable=(), preload=()):
         self.readable, self.preload = {str(p) for p in readable}, tuple(preload)
-        self.proc = self.sock = self.scratch = None
+        self.proc = self.sock = self.scratch = self.log = self.spare = None
         self.ready = False
+        self.hung = {}         # {function: tests it ran past its limit in}: later calls get a short limit, or none
+        self.slowest = {}      # {function: seconds of its slowest call that returned}
         self.budget = TIMEOUT  # seconds left to the current test (reset per test by the plugin)
         self.calls = {}        # this test's calls that returned: {function name: (calls, kernels launched)}
         WORKERS.append(self)
@@ -134,41 +135,48 @@ class Worker:
             self.start()
 
     def start(self):
+        """Take the spare worker if one is booting for the same trees, else start one."""
+        spare, self.spare = self.spare, None
+        if spare is not None and spare[0] == (self.readable, self.preload):
+            self.proc, self.sock, self.scratch, self.log = spare[1]
+        else:
+            _end(spare)
+            self.proc, self.sock, self.scratch, self.log = self._launch()
+        self.ready = False
+
+    def _launch(self):
         root = _scratch_root()
-        self.scratch = tempfile.mkdtemp(prefix="worker-", dir=root)
+        scratch = tempfile.mkdtemp(prefix="worker-", dir=root)
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
         env = {k: v for k, v in os.environ.items() if k in _ENV_KEEP or k.startswith(_ENV_PREFIXES)}
         for name, sub in (("HOME", "."), ("TMPDIR", "."), ("TRITON_CACHE_DIR", "triton"), ("TRITON_HOME", "."),
                           ("CUDA_CACHE_PATH", "nv")):
-            env[name] = os.path.normpath(os.path.join(self.scratch, sub))
+            env[name] = os.path.normpath(os.path.join(scratch, sub))
         env["HF_HUB_OFFLINE"] = "1"
-        config = dict(fd=theirs.fileno(), scratch=self.scratch, readable=sorted(self.readable),
+        # One thread: Landlock below ABI 8 covers only the thread that asks, so no thread pool
+        # may start before the worker is confined (OpenBLAS and OpenMP start theirs at import).
+        env.update(OMP_NUM_THREADS="1", OPENBLAS_NUM_THREADS="1", MKL_NUM_THREADS="1")
+        config = dict(fd=theirs.fileno(), scratch=scratch, readable=sorted(self.readable),
                       preload=list(self.preload), parent=os.getpid())
-        self.log = open(os.path.join(root, os.path.basename(self.scratch) + ".log"), "w+b")
-        boot = "import sys; sys.path.insert(0, sys.argv[1]); import _worker; _worker.serve(sys.argv[2])"
+        log = open(os.path.join(root, os.path.basename(scratch) + ".log"), "w+b")
+        boot = "import sys; sys.path.insert(0, sys.argv[1]); import _serve; _serve.serve(sys.argv[2])"
         try:
-            self.proc = subprocess.Popen([sys.executable, "-I", "-B", "-c", boot, TESTS, json.dumps(config)],
-                                         pass_fds=(theirs.fileno(),), stdin=subprocess.DEVNULL, stdout=self.log,
-                                         stderr=self.log, cwd=self.scratch, env=env, start_new_session=True)
+            proc = subprocess.Popen([sys.executable, "-I", "-B", "-c", boot, TESTS, json.dumps(config)],
+                                    pass_fds=(theirs.fileno(),), stdin=subprocess.DEVNULL, stdout=log, stderr=log,
+                                    cwd=scratch, env=env, start_new_session=True)
         finally:
             theirs.close()
-        self.sock, self.ready = ours, False
+        return proc, ours, scratch, log
 
-    def stop(self):
+    def stop(self, spare=False):
+        """End the worker and everything it started. spare=True (after a crash or a time-out,
+        when more calls are likely) boots the next one now, while the tests go on."""
         if self.proc is not None:
-            kill_descendants(self.proc.pid)
-            if self.proc.poll() is None:
-                self.proc.kill()
-            try:
-                self.proc.wait(5)
-            except subprocess.TimeoutExpired:
-                pass
-            self.sock.close()
-            self.log.close()
-        if self.scratch:
-            shutil.rmtree(self.scratch, ignore_errors=True)
-        self.proc = self.sock = self.scratch = None
+            _end((None, (self.proc, self.sock, self.scratch, self.log)))
+        self.proc = self.sock = self.scratch = self.log = None
         self.ready = False
+        if spare and self.spare is None:
+            self.spare = ((self.readable, self.preload), self._launch())
 
     def _receive(self, wait):
         """The next message within `wait` seconds (None if none came), read as data."""
@@ -218,13 +226,23 @@ class Worker:
 
     def _exchange(self, name, request, sharing, traffic):
         started, phase = time.monotonic(), "starting"
+        # A function that hung once is likely to hang again: its later calls get a few times its
+        # slowest finished call (at least SHORT_TIMEOUT s), not the whole limit, so one endless
+        # loop costs one test's limit plus seconds for each test after it.
+        # After a second time-out it is not run again: each later test fails at once, saying so.
+        if len(self.hung.get(name, ())) >= 2:
+            raise LearnerTimeout(f"{name}() was not run: it ran past its time limit twice already (the full "
+                                 f"{TIMEOUT:.0f} s, then a short limit), so the rest of this drill's calls of it "
+                                 f"fail at once; fix the hang and grade again")
+        short = max(SHORT_TIMEOUT, 4 * self.slowest.get(name, 0)) if name in self.hung else None
+        budget = min(self.budget, short) if short else self.budget
         try:
             _channel.send(self.sock, request, sharing.fds)
         except OSError:
             self.stop()
             raise LearnerCrash(f"the process running your code died before {name}() was called")
         while True:
-            left = self.budget - (time.monotonic() - started)
+            left = budget - (time.monotonic() - started)
             try:
                 payload = self._receive(left) if left > 0 else None
                 message = None if payload is None else _data.loads(payload, sharing.view)
@@ -235,13 +253,18 @@ class Worker:
             except (EOFError, OSError):
                 code = self._exit_code()
                 sharing.collect()
-                self.stop()
+                self.stop(spare=True)
                 where = "at import of your module" if phase == "importing your module" else f"in {phase}"
                 raise LearnerCrash(f"the process running your code ended {where} ({code}): usually a read or "
                                    f"write far outside a tensor, or os._exit / a fatal error in your file")
             if message is None:
-                self.stop()
+                self.stop(spare=True)
                 self.budget = 0
+                self.hung.setdefault(name, []).append(phase)
+                if short and short < TIMEOUT:
+                    raise LearnerTimeout(f"your code ran past the {short:.0f} s this call had, in {phase}: {name}() "
+                                         f"already ran past the limit in an earlier test, so its later calls get "
+                                         f"a few times its slowest finished call, not the whole {TIMEOUT:.0f} s")
                 raise LearnerTimeout(f"your code ran past the {TIMEOUT:.0f} s this test allows it, in {phase} "
                                      f"(an endless loop? a huge grid?); the process was stopped "
                                      f"(DRILLS_TIMEOUT / make grade TIMEOUT=... sets the limit)")
@@ -252,7 +275,10 @@ class Worker:
                 phase = str(message[1])
                 continue
             break
-        self.budget -= time.monotonic() - started
+        took = time.monotonic() - started
+        self.budget -= took
+        if message[0] == "ok":
+            self.slowest[name] = max(self.slowest.get(name, 0), took)
         return self._reply(name, message, sharing, traffic)
 
     def _reply(self, name, message, sharing, traffic):
@@ -303,6 +329,23 @@ class Worker:
         return f"exit code {code}"
 
 
+def _end(launched):
+    """Kill a launched worker (`(key, (proc, sock, scratch, log))`, or None) and what it started."""
+    if launched is None:
+        return
+    proc, sock, scratch, log = launched[1]
+    kill_descendants(proc.pid)
+    if proc.poll() is None:
+        proc.kill()
+    try:
+        proc.wait(5)
+    except subprocess.TimeoutExpired:
+        pass
+    sock.close()
+    log.close()
+    shutil.rmtree(scratch, ignore_errors=True)
+
+
 WORKERS = []        # every worker of this process, for the plugin's per-test reset and stop
 WORKER = Worker()   # runs the learner's module
 
@@ -331,6 +374,7 @@ def end_strays():
     re-parented to this process (a double fork), keeping the workers themselves and the
     children the machinery started (tests/_process.py)."""
     keep = {w.proc.pid for w in WORKERS if w.proc is not None} | set(_CHILDREN)
+    keep |= {w.spare[1][0].pid for w in WORKERS if w.spare is not None}
     for worker in WORKERS:
         if worker.proc is not None:
             kill_descendants(worker.proc.pid, keep)
@@ -345,6 +389,8 @@ def _covers(folders, tree):
 def stop_all():
     for worker in WORKERS:
         worker.stop()
+        _end(worker.spare)
+        worker.spare = None
 
 
 class TreeModule:
@@ -388,121 +434,3 @@ def flatten_tensors(obj):
     if isinstance(obj, dict):
         return [t for x in obj.values() for t in flatten_tensors(x)]
     return []
-
-
-# ---------------------------------------------------------------------------
-# The worker side
-
-
-def serve(config):
-    """The worker's life: imports, confinement, then calls until the channel closes."""
-    config = json.loads(config)
-    die_with_parent()
-    if os.getppid() != config["parent"]:  # the test process died before we could ask to die with it
-        os._exit(0)
-    sock = socket.socket(fileno=config["fd"])
-    scratch = config["scratch"]
-    tempfile.tempdir = scratch
-    import importlib
-
-    import _env  # noqa: F401  -- the same CPU-interpreter-or-GPU decision as the test process
-    import _launches
-    import triton  # noqa: F401
-    from _tree import load_drill
-    if _env.INTERPRET:
-        import _counting  # noqa: F401  -- numpy and the interpreter's hooks, imported while tests/ is readable
-    for module in config["preload"]:
-        importlib.import_module(module)
-    launched = _launches.install()
-    try:
-        if SANDBOX != "none":
-            _sandbox.confine(scratch, readable=config["readable"])
-    except (OSError, RuntimeError) as error:
-        _channel.send(sock, _channel.pickle_reply(("refused", f"the sandbox could not be entered: {error}"), {}))
-        return
-    sys.path.remove(TESTS)  # the machinery is loaded; the learner's code cannot read tests/ from here on
-    _channel.send(sock, _channel.pickle_reply(("ready", SANDBOX), {}))
-    while True:
-        try:
-            payload, fds = _channel.recv(sock, take_fds=True)
-        except (EOFError, OSError):
-            return
-        _, tree, stem, name, traffic, call = pickle.loads(payload)
-        args, kwargs, storages = _channel.unpickle_request(call, fds)
-        fatal, before, result = False, launched(), None
-        with _Captured() as captured:
-            try:
-                _channel.send(sock, _channel.pickle_reply(("phase", "importing your module"), {}))
-                module = load_drill(tree, stem)
-                if not hasattr(module, name):
-                    raise AttributeError(f"{tree}/{stem}.py defines no {name}(): was it renamed or deleted? "
-                                         f"(make reset DRILL=... restores the stub; your file is backed up first)")
-                _channel.send(sock, _channel.pickle_reply(("phase", f"{name}()"), {}))
-                if traffic:
-                    # The counters live here, beside the learner's code: its own word, which the
-                    # value checks (made in the test process, from private copies) never rely on.
-                    import _counting
-                    result, counts = _counting.measure_here(getattr(module, name), flatten_tensors((args, kwargs)),
-                                                           *args, **kwargs)
-                    result = (result, counts and counts.to_data())
-                else:
-                    result = getattr(module, name)(*args, **kwargs)
-                if torch.cuda.is_available() and torch.cuda.is_initialized():
-                    torch.cuda.synchronize()
-                reply = ("ok", result)
-            except BaseException as error:  # the learner's code may raise anything, SystemExit included
-                text = str(error)
-                fatal = _is_cuda_fatal(text)
-                if isinstance(error, FileNotFoundError):
-                    text += " (make reset DRILL=... restores the stub)"
-                reply = ("error", (type(error).__name__, text, _where(error, tree)))
-        try:
-            data = _channel.pickle_reply((*reply, captured.out, captured.err, launched() - before, fatal), storages)
-        except Exception as error:  # e.g. a result that cannot be pickled
-            data = _channel.pickle_reply(("error", (type(error).__name__, f"the result of {name}() could not be "
-                                                    f"sent back: {error}", None), captured.out, captured.err, 0,
-                                          fatal), {})
-        _channel.send(sock, data)
-        del args, kwargs, storages, reply, result
-        if fatal:
-            os._exit(3)  # a CUDA error leaves the context unusable: let the next call start afresh
-
-
-def _is_cuda_fatal(text):
-    return "CUDA error" in text or "illegal memory access" in text or "device-side assert" in text
-
-
-def _where(error, tree):
-    """The last line of the tree's own code the exception passed through."""
-    frames = [f for f in traceback.extract_tb(error.__traceback__) if f.filename.startswith(tree)]
-    return f"{frames[-1].filename}:{frames[-1].lineno}: {frames[-1].line}" if frames else None
-
-
-class _Captured:
-    """What the learner's code prints during one call, at the file-descriptor level
-    (the interpreter's and the GPU's prints too), handed back with the reply."""
-
-    def __enter__(self):
-        sys.stdout.flush(), sys.stderr.flush()
-        self.files = [tempfile.TemporaryFile(), tempfile.TemporaryFile()]
-        self.saved = [os.dup(1), os.dup(2)]
-        for fd, f in zip((1, 2), self.files):
-            os.dup2(f.fileno(), fd)
-        self.py = sys.stdout, sys.stderr
-        sys.stdout = io.TextIOWrapper(os.fdopen(os.dup(1), "wb"), write_through=True)
-        sys.stderr = io.TextIOWrapper(os.fdopen(os.dup(2), "wb"), write_through=True)
-        return self
-
-    def __exit__(self, *exc):
-        sys.stdout.close(), sys.stderr.close()
-        sys.stdout, sys.stderr = self.py
-        for fd, saved in zip((1, 2), self.saved):
-            os.dup2(saved, fd)
-            os.close(saved)
-        texts = []
-        for f in self.files:
-            f.seek(0)
-            texts.append(f.read().decode(errors="replace")[-4000:])
-            f.close()
-        self.out, self.err = texts
-        return False
