@@ -177,16 +177,30 @@ def _evidence(drill, ordered):
 def grade_drill(drill, tree, timeout, workdir=None, test_timeout=None, env=None, select=None):
     """Grade one drill of one tree (`select`: a pytest -k expression, for the grader's
     own tests). The first small failing case is saved to <workdir>/<id>-case.pt."""
+    started = time.monotonic()
+    if select is None and is_untouched_stub(drill, tree):
+        summary = summarize(drill, [dict(collected=[]), dict(test="stub", name="stub", outcome="failed",
+                                                            kind="not_implemented", message="the untouched stub")])
+        summary.update(passed=0, failed=None, total=None, untouched=True, seconds=round(time.monotonic() - started, 1))
+        return summary
     env = dict(env or {})
     if workdir:
         env["DRILLS_CASE_DUMP"] = str(Path(workdir) / f"{drill.id}-case.pt")
     if test_timeout:
         env["DRILLS_TIMEOUT"] = str(test_timeout)
-    started = time.monotonic()
     records, problems = run_tests([drill], tree, timeout, env, select=select)
     summary = summarize(drill, records, problems)
     summary["seconds"] = round(time.monotonic() - started, 1)
     return summary
+
+
+def is_untouched_stub(drill, tree):
+    """Whether the tree's file is byte for byte the committed stub: then it is "not started"
+    without a test process (every stub function raises NotImplementedError, which
+    tests/test_meta.py checks), so a fresh clone's first grade takes seconds, not a minute."""
+    path = Path(tree) / f"{drill.stem}.py"
+    shown = subprocess.run(["git", "show", f"HEAD:mine/{drill.stem}.py"], cwd=ROOT, capture_output=True)
+    return shown.returncode == 0 and path.is_file() and path.read_bytes() == shown.stdout
 
 
 def grade_variants(drills, folder, timeout):
