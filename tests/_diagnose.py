@@ -20,7 +20,7 @@ import torch
 import _env
 import _wrong
 from _paged import Guarded, bits, never_written, same_bits
-from _worker import LearnerCrash
+from _worker import LearnerCrash, LearnerError, LearnerTimeout
 
 
 class Mismatch(AssertionError):
@@ -65,13 +65,34 @@ KNOWN_ERRORS = (
      "offset computed in floating point"),
     (r"illegal memory access|an illegal address|misaligned address",
      "the kernel read or wrote outside every tensor on the GPU: a missing mask, or an offset that wrapped around "
-     "in int32"),
+     "in int32 (compute offsets in int64: .to(tl.int64) on the program id, slot or block number before multiplying)"),
+    # A process killed by SIGSEGV or SIGBUS (the worker's or the test process's crash message).
+    (r"SIGSEGV|SIGBUS|signal 11\b|signal 7\b|[Ss]egmentation fault|[Bb]us error",
+     "a read or write far outside a tensor: often an offset computed in int32 that overflowed (a slot or block "
+     "number times H·D past 2**31 wraps to a negative address) — make offsets int64 (.to(tl.int64) on the program "
+     "id, slot or block number before multiplying); or a load or store without its mask"),
 )
 
 
 def explain_error(text):
     """What a known error message means, or None."""
     return next((meaning for pattern, meaning in KNOWN_ERRORS if re.search(pattern, text)), None)
+
+
+def said_error(error):
+    """An exception from running the learner's code, as the learner reads it: their own
+    error's type and message. tests/_worker.py brings it back as LearnerError("TypeName:
+    message") or LearnerCrash(...): those names are the machinery's, never shown."""
+    if isinstance(error, (LearnerError, LearnerCrash, LearnerTimeout)):
+        return str(error)
+    return f"{type(error).__name__}: {error}"
+
+
+def error_name(error):
+    """The name of the learner's own error (a picture's cell): ModuleNotFoundError, not LearnerError."""
+    if isinstance(error, LearnerError):
+        return str(error).split(":", 1)[0]
+    return {LearnerCrash: "crashed", LearnerTimeout: "timed out"}.get(type(error), type(error).__name__)
 
 
 def describe_mistakes(drill, names):

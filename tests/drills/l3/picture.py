@@ -6,9 +6,11 @@ kernel on that batch; `draw_case` draws a (case, output) pair that already ran."
 import math
 
 import torch
+from rich.markup import escape
 from rich.text import Text
 
 import _env
+from _diagnose import said_error
 from _paged import never_written, owned_columns
 
 from .cases import paged_prefill_case
@@ -141,5 +143,5 @@ def picture(module, console):
         console.print(f"[yellow]{error}; the grid shows the mask it should apply, every output still "
                       f"unwritten[/]")
     except Exception as error:  # the picture must draw whatever the learner's code does
-        console.print(f"[red]paged_prefill_attention raised {type(error).__name__}: {error}[/]")
+        console.print(f"[red]paged_prefill_attention raised {escape(said_error(error))}[/]")
     draw_case((case, case.out.view), console)

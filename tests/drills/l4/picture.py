@@ -3,10 +3,12 @@ empty ones), each (sequence, query head) output right or wrong, and the learner'
 merge_attention_states folding the chunks one by one, its first wrong merge marked.
 `picture` runs the learner's code; `draw_case` draws a (case, output) pair that ran."""
 import torch
+from rich.markup import escape
 from rich.table import Table
 from rich.text import Text
 
 import _env
+from _diagnose import said_error
 from _paged import owned_columns
 
 from .cases import split_case, spread_chunks
@@ -110,7 +112,7 @@ def _draw_merges(folds, merge, console):
                 console.print(f"[yellow]{error}[/]")
                 return
             except Exception as error:  # the picture must draw whatever the learner's code does
-                console.print(f"[red]merge_attention_states raised {type(error).__name__}: {error}[/]")
+                console.print(f"[red]merge_attention_states raised {escape(said_error(error))}[/]")
                 return
             if not ok and first_wrong is None:
                 first_wrong = (b, i)
@@ -134,5 +136,5 @@ def picture(module, console):
     except NotImplementedError as error:
         console.print(f"[yellow]{error}; the table shows the chunks it should cut, every output still unwritten[/]")
     except Exception as error:  # the picture must draw whatever the learner's code does
-        console.print(f"[red]paged_decode_attention_split raised {type(error).__name__}: {error}[/]")
+        console.print(f"[red]paged_decode_attention_split raised {escape(said_error(error))}[/]")
     draw_case((case, out), console, merge=module.merge_attention_states)
