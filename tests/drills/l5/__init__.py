@@ -27,7 +27,8 @@ from .traffic import traffic
 # What tests/test_l5_fp8_kv_cache.py imports from drills.l5:
 from .cases import (NAN_BYTES, WORKED_EXAMPLE, decode_case, decode_params, worked_example_numbers, write_case,
                     write_params)
-from .checks import check_fp8_decode, check_fp8_write, fp8_errors
+from .checks import check_fp8_decode, check_fp8_write, check_the_interpreters_hint_needs_its_evidence, \
+    fp8_errors
 from .reference import FORMAT_TOLERANCE, FP8_DTYPES, fp8_bytes
 from .traffic import check_only_live_tokens_loaded
 
@@ -44,5 +45,5 @@ DRILL = Drill(
     bench_work=bench_work,
     traffic=traffic,
     page_checks=PAGE_CHECKS,
-    fixture_checks=FIXTURE_CHECKS,
+    fixture_checks=(*FIXTURE_CHECKS, check_the_interpreters_hint_needs_its_evidence),
 )

@@ -13,14 +13,25 @@ from .reference import FORMAT_TOLERANCE, FP8_MAX, TOLERANCE, dequantised_attenti
 # ---------------------------------------------------------------------------
 # The write
 
+_TWICE = "rounded twice: divide in fp32 and convert that quotient straight to fp8"
+_CUT = " (Triton's interpreter rounds fp32 to bfloat16 by dropping bits)"
 _REPLAYS = (("multiplied", "scale_multiplied_on_write",
              "every byte is what x · scale gives: the write must divide (the cache holds x / scale)"),
             ("source_dtype", "source_dtype_division",
-             "every byte is what x / scale gives computed in the input's own dtype (rounded to 16 bits, then to "
-             "fp8): divide in fp32"),
+             f"every byte is what x / scale gives computed in the input's own dtype (rounded to 16 bits, then to "
+             f"fp8): {_TWICE}"),
             ("source_dtype_scale", "source_dtype_division",
              "every byte is what x / scale gives with the scale rounded to the input's own dtype (a division "
-             "written in that dtype, as Triton's interpreter runs it): divide in fp32"))
+             "written in that dtype, as Triton's interpreter runs it): divide in fp32"),
+            ("source_dtype_scale_cut", "source_dtype_division",
+             f"every byte is what x / scale gives with the scale rounded to the input's own dtype{_CUT} (a division "
+             f"written in that dtype): divide in fp32"),
+            ("source_dtype_quotient", "source_dtype_division",
+             f"every byte is what the fp32 quotient x / scale gives once rounded to the input's own dtype and then "
+             f"to fp8: {_TWICE}"),
+            ("source_dtype_quotient_cut", "source_dtype_division",
+             f"every byte is what the fp32 quotient x / scale gives once rounded to the input's own dtype{_CUT} and "
+             f"then to fp8: {_TWICE}"))
 
 
 def _fmt(case):
@@ -78,13 +89,79 @@ def _explain_write(name, case, cache, got, want, rows, scale):
                      f"written ({len(stray)} such slots)")
     owned_bad = [s for s in bad_slots if s in owner]
     if owned_bad:
+        direct = not pitfalls and _converted_by_triton(owner, inside_got, rows, scale, dtype)
         lines.append(_explain_slot(name, case, owned_bad, owner, inside_got, inside_want, rows, scale, dtype,
-                                   pitfalls))
-    if _env.INTERPRET and not pitfalls and owned_bad:
-        lines.append("  under the CPU interpreter Triton's own fp32 -> fp8 conversion (.to() or a store into the "
-                     "fp8 cache) is wrong: compute the byte with _fp8_bits and store it through a uint8 view "
-                     "(content/l5.md §5)")
+                                   pitfalls, direct))
     return Mismatch("\n  ".join(lines) + f"\n  {_fmt(case)}", pitfalls)
+
+
+_CONVERT = []  # the kernel below, made on first use (Triton is imported only then)
+
+
+def _triton_fp8(q, dtype):
+    """fp32 `q` converted to fp8 by Triton's own conversion, as a kernel that stores fp32
+    into an fp8 pointer (or calls .to()) runs here: under the CPU interpreter that conversion
+    is wrong (content/l5.md §5), which is why the page's kernel computes the byte itself."""
+    import triton
+    import triton.language as tl
+    if not _CONVERT:
+        @triton.jit
+        def convert(q_ptr, out_ptr, n, BLOCK: tl.constexpr):
+            i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+            tl.store(out_ptr + i, tl.load(q_ptr + i, mask=i < n).to(out_ptr.dtype.element_ty), mask=i < n)
+        _CONVERT.append(convert)
+    q = q.float().contiguous().view(-1)
+    out = torch.empty(q.shape, dtype=dtype)
+    if q.numel():
+        _CONVERT[0][(triton.cdiv(q.numel(), 1024),)](q, out, q.numel(), BLOCK=1024)
+    return fp8_bytes(out)
+
+
+def _converted_by_triton(owner, inside_got, rows, scale, dtype):
+    """Under the interpreter: every real token's bytes are exactly what Triton's own fp32 ->
+    fp8 conversion gives for the right (fp32, correctly rounded) quotient, clamped or not,
+    where the page's byte (_fp8_bits) differs. The evidence for the interpreter's hint."""
+    if not _env.INTERPRET or not owner:
+        return False
+    slots = torch.tensor(sorted(owner))
+    tokens = torch.tensor([owner[int(s)] for s in slots])
+    quotient = rows.cpu()[tokens].float() / scale.cpu().float().view(-1, 1)
+    got = inside_got[slots].reshape(-1)
+    try:
+        return any(torch.equal(_triton_fp8(q, dtype), got)
+                   for q in (quotient.clamp(-FP8_MAX[dtype], FP8_MAX[dtype]), quotient))
+    except Exception:  # Triton could not run the conversion here: no evidence either way
+        return False
+
+
+def check_the_interpreters_hint_needs_its_evidence(device):
+    """The diagnosis sends a learner to _fp8_bits only when their bytes are Triton's own
+    conversion of the right quotient; a wrong write that already computes the byte the
+    page's way (here: K quantised with twice its scale, by the reference) is not told to."""
+    from .cases import write_case
+    from .reference import ref_cache_write
+
+    def said(write_k):
+        case = write_case(num_tokens=4, num_heads=2, head_size=8, dtype=torch.float32, device=device, seed=7)
+        want_k, want_v = case.expected()
+        case.k_cache.storage.copy_(case.k_cache.expected(lambda view: write_k(case, view)).to(device))
+        case.v_cache.storage.copy_(want_v.to(device))
+        try:
+            check_fp8_write(case)
+        except Mismatch as error:
+            return str(error)
+        raise AssertionError("a wrong k_cache passed check_fp8_write")
+
+    assert "_fp8_bits" not in said(lambda c, view: ref_cache_write(c.key, view, c.slot_mapping, c.k_scale * 2))
+    if _env.INTERPRET:
+        def triton_bytes(c, view):
+            real = c.slot_mapping.cpu() >= 0
+            slots = c.slot_mapping.cpu()[real].long()
+            q = (c.key.cpu()[real].float() / c.k_scale.cpu().view(-1, 1)).clamp(-FP8_MAX[view.dtype],
+                                                                                   FP8_MAX[view.dtype])
+            hd = view.shape[-2] * view.shape[-1]
+            view.view(torch.uint8).view(-1, hd)[slots] = _triton_fp8(q, view.dtype).view(-1, hd)
+        assert "_fp8_bits" in said(triton_bytes)
 
 
 def _quantised(row, scale, dtype):
@@ -92,8 +169,9 @@ def _quantised(row, scale, dtype):
     return q.clamp(-FP8_MAX[dtype], FP8_MAX[dtype]).to(dtype)
 
 
-def _explain_slot(name, case, owned_bad, owner, inside_got, inside_want, rows, scale, dtype, pitfalls):
-    """Which elements of the owned slots are wrong, and what they have in common."""
+def _explain_slot(name, case, owned_bad, owner, inside_got, inside_want, rows, scale, dtype, pitfalls, direct):
+    """Which elements of the owned slots are wrong, and what they have in common; `direct`:
+    they are exactly Triton's own fp8 conversion of the right quotient, under the interpreter."""
     num_heads, head_size = rows.shape[1:]
     s = owned_bad[0]
     t = owner[s]
@@ -120,12 +198,20 @@ def _explain_slot(name, case, owned_bad, owner, inside_got, inside_want, rows, s
         pitfalls.append("no_saturation")
         return (f"{text}\n  exactly the {int(saturating.sum())} elements whose x / scale passes ±{FP8_MAX[dtype]:g} "
                 f"are wrong: clamp the quotient before converting (pitfall:no_saturation, {SECTION})")
+    if direct:
+        return (f"{text}\n  every real token's bytes are exactly what Triton's own fp32 -> fp8 conversion (.to() or a "
+                f"store of fp32 into the fp8 cache) gives for the right quotient: under the CPU interpreter that "
+                f"conversion is wrong (it rounds ties away from zero and drops the carry into the exponent), so "
+                f"compute the byte with _fp8_bits and store it through a uint8 view of the cache (content/l5.md §5)")
     step = (inside_got.long() - inside_want.long()).abs()
     same_sign = (inside_got ^ inside_want) < 0x80
     if not pitfalls and bool((step[wrong] == 1).all() & same_sign[wrong].all()):
+        # The interpreter's `/` is numpy's, correctly rounded: there the step comes from a rounding on the way.
+        why = ("Look for a rounding on the way (to a 16-bit dtype, or a conversion that does not round to nearest "
+               "even)" if _env.INTERPRET else "Use tl.math.div_rn (Triton's `/` is not correctly rounded) and round to "
+                                              "nearest even")
         return (f"{text}\n  every wrong byte ({int(wrong.sum())}) is one fp8 step from the right one: the quotient "
-                f"was rounded differently. Use tl.math.div_rn (Triton's `/` is not correctly rounded) and "
-                f"round to nearest even (content/l5.md §5)")
+                f"was rounded differently. {why} (content/l5.md §5)")
     return text + f"\n  {int(wrong.sum())} wrong bytes in {len(owned_bad)} of {len(real)} real tokens' slots"
 
 

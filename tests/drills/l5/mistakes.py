@@ -65,6 +65,11 @@ MISTAKES = {
         ("end = tl.minimum(start + chunk, seq_len)", "end = tl.minimum(start + chunk + TILE, seq_len)"),
     )),
 }
+if _env.INTERPRET:  # on a GPU Triton's own conversion is right: there this is the reference
+    MISTAKES["fp8_converted_by_triton_in_the_interpreter"] = Mistake(shows="_fp8_bits", edits=(
+        ("INT_ENCODE=_INTERPRET,", "INT_ENCODE=False,"),
+        ("if _INTERPRET:  # the byte is computed in the kernel", "if False:  # the byte is computed in the kernel"),
+    ))
 if not _env.INTERPRET:  # the interpreter's `/` is numpy's, correctly rounded: there this is right
     MISTAKES["quotient_not_correctly_rounded"] = Mistake(shows="one fp8 step", edits=(
         (_DIVIDE, "q = x.to(tl.float32) / scale"),

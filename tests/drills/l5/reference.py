@@ -17,17 +17,33 @@ def fp8_bytes(t):
     return t.view(torch.uint8)
 
 
+def cut_to_bfloat16(t):
+    """fp32 -> bfloat16 -> fp32 by dropping the low 16 bits: how Triton's CPU interpreter
+    converts fp32 to bfloat16 (it does not round to nearest)."""
+    return (t.float().view(torch.int32) & ~0xFFFF).view(torch.float32)
+
+
+def _to_source(t, dtype, cut):
+    """fp32 `t` rounded to the 16-bit `dtype` and back: to nearest, or cut (bfloat16 only)."""
+    return cut_to_bfloat16(t) if cut and dtype == torch.bfloat16 else t.to(dtype).float()
+
+
 def quantise(x, scale, dtype, how="right"):
     """x [..., H, D] (any float dtype) into fp8 with scale [1] or [H]: fp8(saturate(x.float() / scale)).
     `how` replays a mistake: "multiplied" (x * scale), "source_dtype" (x / scale in x's own
-    dtype: rounded twice; "source_dtype_scale": only the scale rounded to it), "unsaturated" (no clamp: torch's cast gives NaN or inf there)."""
+    dtype: rounded twice; "source_dtype_scale": only the scale rounded to it; "source_dtype_quotient":
+    the fp32 quotient rounded to it; a "_cut" suffix: rounded to bfloat16 as Triton's
+    interpreter does, by dropping bits), "unsaturated" (no clamp: torch's cast gives NaN or inf there)."""
     s = scale.to(x.device).view(-1, 1)
+    cut = how.endswith("_cut")
     if how == "multiplied":
         q = x.float() * s
     elif how == "source_dtype":
         q = (x / s.to(x.dtype)).float()
-    elif how == "source_dtype_scale":  # the same mistake as Triton's interpreter runs it: the scale
-        q = x.float() / s.to(x.dtype).float()  # rounded to x's dtype, the quotient kept in fp32
+    elif how.startswith("source_dtype_scale"):  # the mistake as Triton's interpreter runs `x / scale.to(x.dtype)`:
+        q = x.float() / _to_source(s, x.dtype, cut)  # the scale rounded to x's dtype, the quotient kept in fp32
+    elif how.startswith("source_dtype_quotient"):  # `(x.to(fp32) / scale).to(x.dtype)`, or torch's x / a 0-dim scale
+        q = _to_source(x.float() / s, x.dtype, cut)
     else:
         q = x.float() / s  # fp32 / fp32: correctly rounded, as the contract says
     if how == "unsaturated":
