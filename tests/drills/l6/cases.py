@@ -138,8 +138,8 @@ class CascadeCase:
             out += [(b, i, n - q_len + i) for i in range(q_len)]
         return out
 
-    def reference(self, mistake=None):
-        return ref_cascade(*self.args(), scale=self.scale, mistake=mistake)
+    def reference(self, mistake=None, kv_heads=(None, None)):
+        return ref_cascade(*self.args(), scale=self.scale, mistake=mistake, kv_heads=kv_heads)
 
 
 def cascade_case(q_lens, context_lens, prefix_blocks, *, num_heads, num_kv_heads, head_size, block_size,

@@ -108,12 +108,16 @@ def _explain_wrong(case, got, want, wrong, atol, rtol):
             alt = case.reference(mistake=mistake)
             if _matches(got, want, alt, wrong, atol, rtol):
                 return f"{text} (pitfall:{tag}, {SECTION})", tag
-        for name, text in (("merge_swapped", "the planted merge that weighs each side by the other side's LSE "
-                                             "(the sides swapped)"),
-                           ("prefix_causal", "the planted pass 1 under a causal mask")):
+        for name, text in (("merge_swapped", "a kernel whose merge weighs each side by the other side's LSE (the "
+                                             "sides swapped)"),
+                           ("prefix_causal", "a kernel whose pass 1 runs under a causal mask")):
             alt = _variant(case, name)
             if alt is not None and _matches(got, want, alt, wrong, atol, rtol):
-                return f"it matches {text} on every output (pitfall:{name}, {SECTION})", name
+                return f"it matches, on every output, {text}, run on this case (pitfall:{name}, {SECTION})", name
+    mapping = _head_mapping(case, got, want, atol, rtol)
+    if mapping:
+        return mapping, None
+    if case.common_prefix_len > 0:
         for mistake, text in (("no_prefix", "the suffix's part alone: the prefix's part never reached the output"),
                               ("no_suffix", "the prefix's part alone: the suffix's part never reached the output")):
             alt = case.reference(mistake=mistake)
@@ -121,6 +125,38 @@ def _explain_wrong(case, got, want, wrong, atol, rtol):
                 return f"the output is wrong for {int(wrong.any(dim=1).sum())} query tokens: it matches {text} " \
                        f"(content/l6.md §4)", None
     return _describe_wrong(case, wrong), None
+
+
+def _head_mapping(case, got, want, atol, rtol):
+    """A GQA head mapping: the pass whose KV heads, taken per query head from some other
+    mapping than h // group, reproduce every output (the others' parts right), said as
+    which query heads read which KV head in which pass; None when none does."""
+    num_heads, num_kv_heads = case.query.shape[1], case.k_cache.shape[2]
+    if num_kv_heads < 2:
+        return None
+    group = num_heads // num_kv_heads
+    right = torch.arange(num_heads) // group
+    passes = ((0, "pass 1 (the prefix's part)"), (1, "pass 2 (each sequence's own keys)"), (2, "both passes")) \
+        if case.common_prefix_len > 0 else ((1, "the attention over each sequence's keys"),)
+    close = lambda a, b: torch.isclose(a, b, atol=atol, rtol=rtol).all(dim=-1).all(dim=0)  # noqa: E731  [H_q]
+    for which, said in passes:
+        fits = []  # per KV head j: which query heads' outputs are those of reading j in this pass
+        for j in range(num_kv_heads):
+            heads = torch.full((num_heads,), j)
+            fits.append(close(got, case.reference(kv_heads=(heads if which != 1 else None,
+                                                             heads if which != 0 else None))))
+        fits = torch.stack(fits, dim=1)  # [H_q, H_kv]
+        if not bool(fits.any(dim=1).all()):
+            continue
+        found = torch.where(fits[torch.arange(num_heads), right], right, fits.int().argmax(dim=1))
+        off = (found != right).nonzero().flatten().tolist()
+        if not off or bool(close(got, want)[off].any()):
+            continue
+        return (f"query heads {off} (of {num_heads}: {group} query heads per KV head) are wrong, the others right: "
+                f"their outputs are those of {said} reading KV heads {found[off].tolist()} instead of "
+                f"{right[off].tolist()}; query head h reads KV head h // {group} in both passes (GQA: a tile's row r "
+                f"is query head kv_head · {group} + r % {group}, as in L3: content/l3.md §1, §8)")
+    return None
 
 
 def _matches(got, want, alt, wrong, atol, rtol):
@@ -141,7 +177,14 @@ def _describe_wrong(case, wrong):
     if case.common_prefix_len == 0:
         parts.append("common_prefix_len is 0 here: the answer is plain L3 (pass 2 alone, over keys 0..position)")
     elif len(bad) == len(info):
-        parts.append("every token is wrong: look at pass 2's key range and the merge")
+        heads = wrong.any(dim=0)
+        if not bool(heads.all()) and bool(wrong[:, heads].all()):
+            parts.append(f"query heads {heads.nonzero().flatten().tolist()} are wrong for every token and the other "
+                         f"heads right for every token: look at how query heads meet KV heads and output rows (GQA), "
+                         f"in both passes, before any key range")
+        else:
+            parts.append("every token is wrong: look at what every token shares, pass 1 over the prefix, pass 2's "
+                         "key range and the merge")
     if bad and all(case.q_lens[b] == 1 for b, _, _ in bad) and len(bad) < len(info):
         parts.append("only decode rows (q_len = 1) are wrong")
     where = "; ".join(parts) if parts else "it matches none of the usual mistakes (§8)"

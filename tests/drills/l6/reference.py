@@ -29,18 +29,20 @@ def prefix_len_rule(block_table, query_start_loc, seq_lens, block_size, cap=True
 
 
 def ref_cascade(query, k_cache, v_cache, block_table, query_start_loc, seq_lens, common_prefix_len, scale=None,
-                mistake=None):
+                mistake=None, kv_heads=(None, None)):
     """float64 on the CPU, [total_q, H_q, D]: token t of sequence b, at position pos,
     attends to its keys 0..pos. The keyword `mistake` computes a wrong kernel's answer:
     "prefix_causal" (pass 1 under FlashAttention's bottom-right causal mask over the
     batch as one sequence: token t sees prefix keys 0..P - total_q + t), "prefix_causal_tl"
     (top-left: 0..t), "prefix_twice" (pass 2 starts at key 0: the prefix counted twice),
     "swapped" (the merge weighs the prefix's v by the suffix's LSE and the other way);
-    "no_prefix" / "no_suffix", one part alone."""
+    "no_prefix" / "no_suffix", one part alone. `kv_heads`: (the prefix's, the suffix's) KV
+    head of each query head, [H_q] each, None for h // group (a head mapping's mistakes)."""
     total_q, num_heads, head_size = query.shape
     block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
     scale = 1.0 / math.sqrt(head_size) if scale is None else scale
     kv_head = torch.arange(num_heads) // (num_heads // num_kv_heads)
+    prefix_heads, suffix_heads = (kv_head if m is None else torch.as_tensor(m).long() for m in kv_heads)
     starts = query_start_loc.long().cpu().tolist()
     lens = seq_lens.long().cpu().tolist()
     table = block_table.long().cpu()
@@ -49,8 +51,8 @@ def ref_cascade(query, k_cache, v_cache, block_table, query_start_loc, seq_lens,
     out = torch.zeros(total_q, num_heads, head_size, dtype=torch.float64)
     for b, n in enumerate(lens):
         blocks = table[b, :math.ceil(n / block_size)]
-        k = k_cache[blocks.to(k_cache.device)].double().cpu().reshape(-1, num_kv_heads, head_size)[:n][:, kv_head]
-        v = v_cache[blocks.to(v_cache.device)].double().cpu().reshape(-1, num_kv_heads, head_size)[:n][:, kv_head]
+        k, v = (_by_part(c[blocks.to(c.device)].double().cpu().reshape(-1, num_kv_heads, head_size)[:n], prefix,
+                         prefix_heads, suffix_heads) for c in (k_cache, v_cache))
         q_len = starts[b + 1] - starts[b]
         for t in range(starts[b], starts[b + 1]):
             pos = n - q_len + (t - starts[b])
@@ -69,6 +71,12 @@ def ref_cascade(query, k_cache, v_cache, block_table, query_start_loc, seq_lens,
             elif bool(torch.isfinite(s).any()):
                 out[t] = torch.einsum("hk,khd->hd", s.softmax(-1), v[:pos + 1])
     return out
+
+
+def _by_part(kv, prefix, prefix_heads, suffix_heads):
+    """[keys, H_kv, D] -> [keys, H_q, D]: keys before `prefix` read through prefix_heads, the rest suffix_heads."""
+    in_prefix = (torch.arange(kv.shape[0]) < prefix)[:, None, None]
+    return torch.where(in_prefix, kv[:, prefix_heads], kv[:, suffix_heads])
 
 
 def _swapped(s, v, in_prefix):
