@@ -43,6 +43,14 @@ def poisoned_bytes_read(case, counted):
     return found
 
 
+def garbage_entries_read(case, traffic, record=3):
+    """(sequence, column) of every block-table entry past a sequence's last block that was
+    loaded: those entries are garbage (design.md); a host read of the table is not counted."""
+    owned = owned_columns(case.seq_lens, case.block_size, case.block_table.shape[1])
+    return [(b, c) for b, c in (~owned).nonzero().tolist()
+            if was_read(traffic.tensors[record], case.block_table[b, c])]
+
+
 def check_only_live_tokens_loaded(module, case):
     """paged_decode_attention_fp8 on `case` with its loads counted: no byte of a block no
     sequence owns, nor of a last block past seq_len, may be loaded. Returns False where
@@ -97,5 +105,10 @@ def traffic(module):
         where.append(f"the scales were loaded {result['parts']['scales']:.0f}× their size: once per program is enough")
     if poisoned_bytes_read(case, counted):
         where.append("bytes of unowned blocks or past seq_len were read: mask the K/V loads")
+    garbage = garbage_entries_read(case, counted)
+    if garbage:
+        where.append(f"block-table entries past a sequence's last block were loaded ({len(garbage)} of them, first: "
+                     f"sequence {garbage[0][0]}, column {garbage[0][1]}): they are garbage (a freed row may hold "
+                     f"anything); mask the table load with pos < seq_len, as in L2 (content/l2.md §9)")
     result["where"] = where + result["where"]
     return result

@@ -4,8 +4,8 @@ import torch
 
 from _diagnose import Mismatch
 from _drill import ELEMENT_SIZE
-from _paged import DTYPES
-from _traffic import Part, measure, report
+from _paged import DTYPES, owned_columns
+from _traffic import Part, measure, report, was_read
 from _counting import bytes_of
 
 from .bench import cascade_bytes
@@ -28,6 +28,14 @@ def traffic_case(device="cpu", num_seqs=None, seed=5):
                         num_heads=p["num_heads"], num_kv_heads=p["num_kv_heads"], head_size=p["head_size"],
                         block_size=p["block_size"], dtype=DTYPES[p["dtype"]], extra_columns=2, device=device,
                         seed=seed)
+
+
+def garbage_entries_read(case, traffic, record=3):
+    """(sequence, column) of every block-table entry past a sequence's last block that was
+    loaded: those entries are garbage (design.md); a host read of the table is not counted."""
+    owned = owned_columns(case.seq_lens, case.block_size, case.block_table.shape[1])
+    return [(b, c) for b, c in (~owned).nonzero().tolist()
+            if was_read(traffic.tensors[record], case.block_table[b, c])]
 
 
 def prefix_reads(case, counted):
@@ -94,5 +102,10 @@ def traffic(module):
     if result["parts"]["query"] > 1.05:
         where.append(f"the query was read {result['parts']['query']:.2f}×: once by each chunk of pass 1 and once "
                      f"by pass 2 (the price of two passes; vLLM's two kernel calls read it twice too)")
+    garbage = garbage_entries_read(case, counted)
+    if garbage:
+        where.append(f"block-table entries past a sequence's last block were loaded ({len(garbage)} of them, first: "
+                     f"sequence {garbage[0][0]}, column {garbage[0][1]}): they are garbage (a freed row may hold "
+                     f"anything); mask the table load with pos < seq_len, as in L2 (content/l2.md §9)")
     result["where"] = where + result["where"]
     return result
