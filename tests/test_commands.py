@@ -63,7 +63,8 @@ def test_reset_of_e1_keeps_the_given_helper_and_finds_the_stub(clone):
     as in the reference is not an exercise, so the stub is still a stub."""
     path = clone / "mine/e1_paged_engine.py"
     stub = path.read_text()
-    path.write_text(stub.replace('raise NotImplementedError("generate', 'return []  # mine\n    raise NotImplementedError("'))
+    path.write_text(stub.replace('raise NotImplementedError("generate',
+                                 'return []  # mine\n    raise NotImplementedError("'))
     result = grader("reset", "e1", cwd=clone)
     assert result.returncode == 0, result.stdout + result.stderr
     assert path.read_text() == stub
@@ -279,7 +280,7 @@ def test_the_failure_footer_names_the_graded_tree():
     console = Console(record=True, width=400)
     console.print(_render._failure_panel(s, "/home/alice/mine"))
     text = console.export_text()
-    assert "python grader.py l3 --tree /home/alice/mine" in text and "--tree=/home/alice/mine" in text
+    assert "make grade DRILL=l3 TREE=/home/alice/mine" in text and "--tree=/home/alice/mine" in text
     assert "--tree mine" not in text and "--tree=mine" not in text
 
 

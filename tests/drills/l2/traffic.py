@@ -80,8 +80,8 @@ def check_a_host_read_of_the_whole_table_fails_no_test(device):
 
     negative = far_garbage_case(device)
     garbage = ~owned_columns(negative.seq_lens, negative.block_size, negative.block_table.shape[1])
-    negative.block_table[garbage.to(negative.block_table.device)] = torch.tensor(
-        [-1, -2 ** 31], dtype=torch.int32).repeat(int(garbage.sum()))[:int(garbage.sum())].to(negative.block_table.device)
+    numbers = torch.tensor([-1, -2 ** 31], dtype=torch.int32).repeat(int(garbage.sum()))[:int(garbage.sum())]
+    negative.block_table[garbage.to(negative.block_table.device)] = numbers.to(negative.block_table.device)
     with tempfile.TemporaryDirectory() as folder:
         contract = {fn: (names, ("out",) if fn == "paged_decode_attention" else ())  # the drill's `writes`
                     for fn, names in parameters(PLANTED.stem).items()}

@@ -67,8 +67,8 @@ def _explain_non_finite(case, got, atol, rtol):
                 f"division by zero (l = 0), exp of +inf (a sign flipped in exp(m_old - m_new)?), or a read outside "
                 f"the inputs (content/l3.md §5)"), None
     if not fits:
-        return (f"{head}, and no NaN this case put in its inputs can reach all of them: a division by zero, or a read outside "
-                f"the inputs (content/l3.md §5)"), None
+        return (f"{head}, and no NaN this case put in its inputs can reach all of them: a division by zero, or a "
+                f"read outside the inputs (content/l3.md §5)"), None
     return f"{head}; " + "; or ".join(fits) + f" ({SECTION})", None
 
 

@@ -58,7 +58,8 @@ MISTAKES = {
     # L3's GQA pitfall in pass 1 alone: its diagnosis must point at pass 1's heads, not at pass 2.
     "prefix_gqa_head_mapping": Mistake(shows="pass 1 (the prefix's part) reading KV heads", edits=(
         ("    heads = kv_head * GROUP + rows % GROUP\n    row_live = (rows < BLOCK_Q * GROUP) & (token < total_q)",
-         "    heads = kv_head + (rows % GROUP) * NUM_KV_HEADS\n    row_live = (rows < BLOCK_Q * GROUP) & (token < total_q)"),
+         "    heads = kv_head + (rows % GROUP) * NUM_KV_HEADS\n"
+         "    row_live = (rows < BLOCK_Q * GROUP) & (token < total_q)"),
     )),
 }
 
