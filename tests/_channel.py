@@ -143,9 +143,9 @@ class Sharing:
 
     def pickle_args(self, args, kwargs, names, writes):
         """The request's bytes: each argument pickled with its name known, so a storage
-        is writable when any argument the contract writes (`writes`) lies in it."""
+        is writable when any argument the contract writes (`writes`; None: all) lies in it."""
         def dumps(value, name):
-            pickler_out = _BytesPickler(self, name, name in writes)
+            pickler_out = _BytesPickler(self, name, writes is None or name in writes)
             return pickler_out.dumps(value)
         positional = [dumps(a, names[i] if i < len(names) else f"argument {i + 1}") for i, a in enumerate(args)]
         keyword = {k: dumps(v, k) for k, v in kwargs.items()}

@@ -215,7 +215,8 @@ class Worker:
         if not _covers(self.readable, tree) or self.proc is None or self.proc.poll() is not None:
             self.prepare(readable=[tree])
         self._boot()
-        names, writes = (contract or {}).get(name, ((), ()))
+        # Without the drill's contract every argument may be written (the machinery's own calls).
+        names, writes = (contract or {}).get(name, ((), None))
         sharing = _channel.Sharing()
         try:
             request = pickle.dumps(("call", str(tree), stem, name, traffic,

@@ -63,5 +63,7 @@ def variant(drill, name):
     where = folder() / drill.id / name
     if not (where / f"{drill.stem}.py").exists():
         plant(drill, name, where)
-    _VARIANTS.prepare(readable=[folder()], preload=drill.preload)  # one worker serves every variant
-    return TreeModule(where, drill.stem, _VARIANTS, contract=drill.contract)
+    # One worker serves every variant; it imports the drill's cases (what its arguments are made
+    # of: `drill` may be a Planted, which knows no more). Our own code: no contract to hold it to.
+    _VARIANTS.prepare(readable=[folder()], preload=(f"drills.{drill.id}.cases",))
+    return TreeModule(where, drill.stem, _VARIANTS)
