@@ -8,6 +8,7 @@ handed the drill they work on and never read the manifest).
 """
 import argparse
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -38,8 +39,30 @@ def bench(argv):
     ceiling = args.ceiling_gbps or _bench.copy_ceiling_gbps()
     out = dict(device=_env.describe(), ceiling_gbps=round(ceiling, 1))
     if not args.ceiling:
-        out["cases"] = _bench.bench_drill(find_drill(args.drill), args.tree, ceiling)
+        drill = find_drill(args.drill)
+        _confine_for(drill, args.tree)
+        out["cases"] = _bench.bench_drill(drill, args.tree, ceiling)
     print(json.dumps(out))
+
+
+def _confine_for(drill, tree):
+    """The bench runs the learner's module in this process: confine it first, as a worker is
+    (tests/_serve.py), after loading what the bench needs from outside the tree: the other
+    drills' references its baselines call (never this drill's own)."""
+    import tempfile
+
+    import _sandbox
+    from _manifest import DRILLS
+    from _tree import load_drill, tree_path
+    scratch = tempfile.mkdtemp(prefix="drills-bench-")
+    for name, sub in (("HOME", "."), ("TMPDIR", "."), ("TRITON_CACHE_DIR", "triton"), ("TRITON_HOME", ".")):
+        os.environ[name] = os.path.normpath(os.path.join(scratch, sub))
+    tempfile.tempdir = scratch
+    for other in DRILLS:
+        if other.stem != drill.stem:
+            load_drill("solutions", other.stem)
+    if _sandbox.describe() != "none":
+        _sandbox.confine(scratch, readable=[str(tree_path(tree))])
 
 
 if __name__ == "__main__":

@@ -26,17 +26,31 @@ def die_with_parent():
         pass
 
 
-def run_process(cmd, timeout, env=None, pass_fds=()):
+# The environment a process that runs the learner's code gets: what Python, the C library,
+# CUDA and Triton read, and the drills' own variables; nothing else of the grader's (tokens,
+# keys, SSH_AUTH_SOCK).
+ENV_KEEP = ("PATH", "LANG", "LANGUAGE", "TZ", "LD_LIBRARY_PATH", "OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS",
+            "MKL_NUM_THREADS", "OPENBLAS_CORETYPE", "OPENBLAS_L2_SIZE", "DRILLS_KERNELS")
+ENV_PREFIXES = ("LC_", "CUDA_", "NVIDIA_", "TRITON_")
+
+
+def allowed_env():
+    return {k: v for k, v in os.environ.items() if k in ENV_KEEP or k.startswith(ENV_PREFIXES)}
+
+
+def run_process(cmd, timeout, env=None, pass_fds=(), untrusted=False):
     """(returncode or None if killed at the time limit, stdout, stderr). The child runs in
     a process group of its own, killed whole on timeout and on the grader's Ctrl-C. Its
     output goes to files, not pipes: a process it leaves behind holding a pipe end cannot
-    make us wait, and every wait here is bounded."""
+    make us wait, and every wait here is bounded. untrusted=True (it will run the learner's
+    code itself) gives it only `allowed_env()` of ours."""
     # One thread per child: the tensors are tiny, and two graders side by side on a
     # 2-core machine would otherwise oversubscribe it several times over.
     with tempfile.TemporaryFile() as out, tempfile.TemporaryFile() as err:
         proc = subprocess.Popen(cmd, cwd=ROOT, stdout=out, stderr=err, stdin=subprocess.DEVNULL,
                                 start_new_session=True, pass_fds=pass_fds, preexec_fn=die_with_parent,
-                                env={"OMP_NUM_THREADS": "1", **os.environ, **(env or {})})
+                                env={"OMP_NUM_THREADS": "1", **(allowed_env() if untrusted else os.environ),
+                                     **(env or {})})
         _CHILDREN.add(proc.pid)
         try:
             code = proc.wait(timeout=timeout)

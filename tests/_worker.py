@@ -9,7 +9,7 @@ the next call starts a new one.
 The worker is what design.md's boundary asks for:
 - **A fresh process.** `python -I` exec'd anew (not a fork of the test process, nor a
   multiprocessing child: no authkey, no resource sharer), with an allow-listed
-  environment (`_ENV_KEEP`: no secrets), in a session of its own, holding no
+  environment (tests/_process.py's `allowed_env`: no secrets), in a session of its own, holding no
   descriptor but its channel (a socketpair made before it starts), its output going to
   a file. It dies with the test process (Linux's parent-death signal).
 - **Confined before the import.** It imports torch, Triton and the few machinery
@@ -53,7 +53,7 @@ import torch
 import _channel
 import _data
 import _sandbox
-from _process import _CHILDREN, kill_descendants
+from _process import _CHILDREN, allowed_env, kill_descendants
 
 ISOLATE = os.environ.get("DRILLS_ISOLATE", "1") != "0"
 # Seconds of the learner's code one test (or hypothesis example) may use (DRILLS_TIMEOUT;
@@ -64,11 +64,6 @@ BOOT_TIMEOUT = 600  # seconds a worker may take to import torch and Triton (a co
 
 SANDBOX = _sandbox.describe()
 TESTS = str(Path(__file__).resolve().parent)
-# The environment a worker gets: what Python, the C library, CUDA and Triton read, and the
-# drills' own variables. Nothing else of the grader's (tokens, keys, SSH_AUTH_SOCK).
-_ENV_KEEP = ("PATH", "LANG", "LANGUAGE", "TZ", "LD_LIBRARY_PATH", "OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS",
-             "MKL_NUM_THREADS", "OPENBLAS_CORETYPE", "OPENBLAS_L2_SIZE", "DRILLS_KERNELS")
-_ENV_PREFIXES = ("LC_", "CUDA_", "NVIDIA_", "TRITON_")
 _SCRATCH = []  # the folder every worker's scratch folder lives in (made on first use)
 
 
@@ -148,7 +143,7 @@ class Worker:
         root = _scratch_root()
         scratch = tempfile.mkdtemp(prefix="worker-", dir=root)
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
-        env = {k: v for k, v in os.environ.items() if k in _ENV_KEEP or k.startswith(_ENV_PREFIXES)}
+        env = allowed_env()
         for name, sub in (("HOME", "."), ("TMPDIR", "."), ("TRITON_CACHE_DIR", "triton"), ("TRITON_HOME", "."),
                           ("CUDA_CACHE_PATH", "nv")):
             env[name] = os.path.normpath(os.path.join(scratch, sub))
