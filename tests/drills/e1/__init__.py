@@ -1,20 +1,22 @@
 """E1, the capstone: a paged engine over a real `transformers` model (content/e1.md):
 its manifest entry `DRILL`, built from its parts:
 
-  cases.py      the tiny models, the worked example, EngineCase, the instrumented kernels
-                (Recorder, AttentionSpy), the block-manager strategy, the fixture checks
+  cases.py      the tiny models, the real one (SmolLM2-135M-Instruct), the worked example,
+                EngineCase, the instrumented kernels (Recorder, AttentionSpy), the
+                block-manager strategy, the fixture checks
   reference.py  transformers' generate and logits, the page's scheduling rule (simulate)
   checks.py     the checks of generate and of the block manager, and their diagnosis
   mistakes.py   the pitfalls and mistakes, planted as edits (`PLANTED`)
-  bench.py      the 1 B-parameter serving workload against transformers' generate
+  bench.py      the 1 B-parameter serving workload against transformers' generate, and
+                `make chat` (the learner's engine serving SmolLM2, checked against generate)
   page.py       the page checks
 
 There is no traffic part: the engine's bytes are its kernels', which L1 and L3 count.
 """
 from _drill import Drill
 
-from .cases import (FIXTURE_CHECKS, TEST_SHAPES, WORKED_EXAMPLE, EngineCase, Recorder, block_ops, engine_case,
-                    example_case, kernels_tree, random_prompts, spy_on, tiny_model)
+from .cases import (FIXTURE_CHECKS, PRELOAD, TEST_SHAPES, WORKED_EXAMPLE, WRITES, EngineCase, Recorder, block_ops,
+                    engine_case, example_case, kernels_tree, random_prompts, spy_on, tiny_model)
 from .checks import check_generate, explain, run_generate, steps_of
 from .mistakes import PLANTED, SECTION
 from .page import PAGE_CHECKS
@@ -28,8 +30,8 @@ DRILL = Drill(
     **PLANTED.fields(),
     title="A paged engine on your kernels",
     mirrors="vLLM V1 engine core / nano-vllm (scheduler, block manager, model runner)",
-    writes={"generate": ("kernels",)},
-    preload=("drills.e1.cases",),  # its models, Recorder and AttentionSpy are pickled into the worker
+    writes=WRITES,
+    preload=PRELOAD,  # its models, Recorder and AttentionSpy are pickled into the worker
     api=("generate", "replay_block_manager"),
     torch_only=("replay_block_manager",),
     test_shapes=TEST_SHAPES,

