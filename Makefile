@@ -3,6 +3,9 @@
 #                              TIMEOUT=120: seconds your code may run in one test, default 60;
 #                              KERNELS=solutions: E1 runs on the reference L1 and L3 instead of yours)
 #   make test                  the whole test suite against solutions/
+#   make chat                  your E1 engine serving SmolLM2-135M-Instruct on your L1 and L3, checked against
+#                              transformers' generate (PROMPT="a|b": prompts; TOKENS=16; KERNELS=, TREE= as in
+#                              grade; MODEL=path: a checkpoint folder); installs the model on first use
 #   make bench                 the bandwidth report of solutions/ (needs a GPU)
 #   make diff DRILL=l1         your file next to the reference, side by side (TREE=path for a learner's copy)
 #   make reset DRILL=l1        back up your file to .drills/backups/, then restore the stub
@@ -31,7 +34,7 @@ TORCH       ?=
 TORCH_INDEX ?=
 INSTALLER   ?=
 
-.PHONY: setup grade test bench diff reset hint show watch doctor clean
+.PHONY: setup grade test chat bench diff reset hint show watch doctor clean
 
 setup: $(VENV)/.ready
 
@@ -52,6 +55,14 @@ $(VENV)/.e1-model: $(VENV)/.ready
 
 test: setup $(VENV)/.e1-model
 	$(PY) -m pytest --tree solutions -q
+
+PROMPT ?=
+TOKENS ?=
+MODEL  ?=
+export PROMPT  # read as "$$PROMPT" by the shell: a prompt may hold any quote
+chat: setup $(VENV)/.e1-model
+	@DRILLS_KERNELS='$(KERNELS)' PYTHONPATH=tests $(PY) -m drills.e1.bench chat --tree $(TREE) --prompt "$$PROMPT" \
+		$(if $(TOKENS),--tokens $(TOKENS)) $(if $(MODEL),--model '$(MODEL)') $(if $(TIMEOUT),--timeout $(TIMEOUT))
 
 bench: setup
 	$(PY) grader.py --tree solutions $(DRILL)

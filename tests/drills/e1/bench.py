@@ -1,10 +1,28 @@
 """E1's bench (issue 23; a GPU run, recorded in BENCHMARKS.md, not a timed test): a
 Llama-shaped model of about 1 B parameters with random bf16 weights, 64 requests of
 512-token prompts and 128 new tokens each; the engine against transformers' own
-batched generate. `bytes` is one decode step's floor: the weights plus the KV read."""
+batched generate. `bytes` is one decode step's floor: the weights plus the KV read.
+
+And `make chat` (`chat` below): the learner's engine serving the real model,
+SmolLM2-135M-Instruct, on any machine, its replies checked against generate."""
+import argparse
+import os
+import sys
+import time
+
+import _env
 import torch
 
 from _drill import BenchCase
+from _tree import ROOT, parameters, tree_path
+from _worker import TIMEOUT, LearnerCrash, LearnerTimeout, reset_all, tree_module
+
+from .cases import (NAME, PRELOAD, WRITES, Recorder, cached_smollm2, chat_ids, install_hint, kernels_tree, load_folder,
+                    load_smollm2, smollm2_available, tiny_model)
+from .mistakes import PLANTED
+from .reference import LOGIT_TOLERANCE, eos_ids, model_logits, reference_tokens
+
+STEM = PLANTED.stem
 
 MODEL = dict(hidden=2048, layers=16, heads=32, kv_heads=8, vocab=32000, intermediate=8192)
 
@@ -132,9 +150,193 @@ def measure(module, device="cuda", params=_PARAMS):
                 prefill_s=round(one, 3), decode_step_ms=round(step * 1e3, 2), decode_floor_ms=round(floor * 1e3, 2),
                 decode_forward=decode_step_times(module, model, mean_context, params["num_seqs"], device))
 
+# ---------------------------------------------------------------------------
+# `make chat`: the engine serving SmolLM2-135M-Instruct on the CPU, against generate
+#
+#     make chat [PROMPT="What is 2+2?|Name a color."] [TOKENS=16] [TREE=mine] [KERNELS=solutions]
+#               [MODEL=path] [TIMEOUT=600]
+#     (= PYTHONPATH=tests .venv/bin/python -m drills.e1.bench chat [--prompt ...] [--tokens N] ...)
+#
+# Each prompt (`|` separates several) goes under the model's chat template; the engine
+# serves them all in one generate() call, batched, greedy. The learner's code runs in a
+# worker process, as in the grade (tests/_worker.py), which hands its answer back only when
+# the call returns: so each reply is printed token by token after the call, not while it
+# runs, and tokens/s is the new tokens over that one call's wall time. Then each reply is
+# checked against transformers' own generate on the same model: equal, or where it first
+# differs, with the model's logits for both tokens at that step.
+#
+# Exit status: 0 when the chat ran (whatever the check found) or the engine is not written
+# yet; 1 when the model could not be loaded or the learner's code raised, crashed or ran
+# out of time; 2 for a usage error.
+
+DEFAULT_PROMPT = "What is 2+2?"
+DEFAULT_TOKENS = 16  # SmolLM2 answers the default prompt in 12 tokens and stops at EOS
+
+
+def chat(argv=None):
+    parser = argparse.ArgumentParser(prog="make chat", description="your E1 engine serving a real model, checked "
+                                     "against transformers' generate")
+    parser.add_argument("--prompt", default="", help="one prompt, or several separated by |")
+    parser.add_argument("--tokens", type=int, default=DEFAULT_TOKENS, help="new tokens per reply at most")
+    parser.add_argument("--tree", default="mine", help="whose engine: mine, solutions or a folder")
+    parser.add_argument("--model", default="", help="a checkpoint folder of a Llama or Qwen2 (default: SmolLM2)")
+    parser.add_argument("--timeout", type=float, default=0, help="seconds your engine may take (10 x TIMEOUT)")
+    args = parser.parse_args(argv)
+    prompts = [p.strip() for p in (args.prompt or DEFAULT_PROMPT).split("|") if p.strip()]
+    tokens = args.tokens
+    try:
+        tree = tree_path(args.tree)
+        kernels = kernels_tree(tree)
+    except FileNotFoundError as error:
+        print(f"chat: {error}", file=sys.stderr)
+        return 2
+    if not prompts or tokens < 1:
+        print("chat: give a non-empty PROMPT and TOKENS >= 1", file=sys.stderr)
+        return 2
+    contract = {fn: (names, WRITES.get(fn, ())) for fn, names in parameters(STEM).items()}  # as the grade's
+    engine = tree_module(tree, STEM, contract=contract, readable=[kernels], preload=PRELOAD)
+    budget = args.timeout or 10 * TIMEOUT  # one generate() of a real model is no test's worth of work
+    try:
+        reset_all(budget=budget)  # a stub says so at once, before the model takes its seconds to load
+        engine.generate(tiny_model(), [[1, 2, 3]], 1, kernels=Recorder(kernels))
+    except NotImplementedError as error:
+        return not_written(error, tree, kernels)
+    except (LearnerCrash, LearnerTimeout, Exception) as error:  # the learner's code: say what, and where
+        return failed(error, "on a tiny random model (the tests' kind; make grade DRILL=e1 explains more)")
+    loaded = load(args.model)
+    if loaded is None:
+        return 1
+    model, tokenizer = loaded
+    print(f"engine: {shown(tree)}/{STEM}.py on the L1 and L3 of {shown(kernels)}/, {_env.describe()}")
+    ids = [template(tokenizer, p) for p in prompts]
+    print(f"serving {len(ids)} prompt(s) of {[len(p) for p in ids]} tokens, up to {tokens} new tokens each ...",
+          flush=True)
+    started = time.monotonic()
+    try:
+        reset_all(budget=budget)
+        replies = engine.generate(model, ids, tokens, kernels=Recorder(kernels, floats=key_room(model, ids, tokens)))
+    except NotImplementedError as error:
+        return not_written(error, tree, kernels)
+    except (LearnerCrash, LearnerTimeout, Exception) as error:
+        return failed(error, f"serving {args.model or NAME}")
+    seconds = time.monotonic() - started
+    if not (isinstance(replies, list) and len(replies) == len(ids)
+            and all(isinstance(r, list) and all(isinstance(t, int) for t in r) for r in replies)):
+        print(f"your engine returned {str(replies)[:200]}, not one list of token ids per prompt (content/e1.md §1)")
+        return 1
+    for i, (prompt, reply) in enumerate(zip(prompts, replies)):
+        print(f"\n[{i + 1}] {prompt}")
+        stream(tokenizer, reply)
+    made = sum(map(len, replies))
+    print(f"\n{made} new tokens in {seconds:.1f} s: {made / seconds:.2f} tokens/s over the one generate() call, "
+          f"prompts batched (printed when the call returned)")
+    for i, (prompt, reply) in enumerate(zip(ids, replies)):
+        print(f"[{i + 1}] " + compare(model, tokenizer, prompt, reply, tokens))
+    return 0
+
+
+def load(folder):
+    """(model, tokenizer) on the device the kernels run on, said in one line; None if it failed."""
+    started = time.monotonic()
+    if not folder and not cached_smollm2():
+        print(f"loading {NAME} from its GGUF file: ~20 s of CPU this once; then a copy in .drills/models loads in "
+              f"~2 s", flush=True)
+    try:
+        model, tokenizer = load_folder(folder) if folder else load_smollm2()
+    except (OSError, ValueError) as error:
+        hint = "" if folder or smollm2_available() else f"\n  {install_hint()}"
+        print(f"chat: the model could not be loaded: {error}{hint}", file=sys.stderr)
+        return None
+    model = model.to(_env.DEVICE)
+    print(f"{describe(model, folder)}; loaded in {time.monotonic() - started:.1f} s")
+    return model, tokenizer
+
+
+def key_room(model, ids, tokens):
+    """Floats the Recorder needs to log every key the engine writes."""
+    c = model.config
+    head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
+    return c.num_hidden_layers * c.num_key_value_heads * head_dim * (sum(map(len, ids)) + tokens * len(ids))
+
+
+def failed(error, doing):
+    where = getattr(error, "where", None)
+    print(f"your engine failed {doing}: {type(error).__name__}: {error}" + (f"\n  at {where}" if where else ""))
+    return 1
+
+
+def shown(path):
+    """A path as the learner would type it: relative to the repository when inside it."""
+    path = os.path.realpath(path)
+    return os.path.relpath(path, ROOT) if path.startswith(str(ROOT) + os.sep) else path
+
+
+def describe(model, folder):
+    c = model.config
+    heads, kv = c.num_attention_heads, c.num_key_value_heads
+    head_dim = getattr(c, "head_dim", None) or c.hidden_size // heads
+    return (f"model: {folder or NAME}, {type(model).__name__}: {c.num_hidden_layers} layers, hidden {c.hidden_size}, "
+            f"{heads} query heads over {kv} KV heads (a GQA group of {heads // kv}), head size {head_dim}, "
+            f"{str(model.dtype).removeprefix('torch.')}")
+
+
+def template(tokenizer, text):
+    """The prompt under the model's chat template (a checkpoint without one: the plain text)."""
+    if getattr(tokenizer, "chat_template", None):
+        return chat_ids(tokenizer, text)
+    return tokenizer(text).input_ids
+
+
+def stream(tokenizer, reply):
+    """The reply, one token at a time (each piece is the text the token adds)."""
+    printed = ""
+    for n in range(1, len(reply) + 1):
+        text = tokenizer.decode(reply[:n])  # a token's text can depend on the ones before it
+        sys.stdout.write(text[len(printed):])
+        printed = text
+    sys.stdout.write("\n")
+    sys.stdout.flush()
+
+
+def compare(model, tokenizer, prompt, reply, max_new):
+    """The reply against transformers' generate: equal, or where it first differs and how
+    far apart the model puts the two tokens there."""
+    want = reference_tokens(model, prompt, max_new)
+    if reply == want:
+        end = " and EOS" if want and want[-1] in eos_ids(model) else ""
+        return f"equal to transformers' generate, token for token ({len(want)} token{'s' * (len(want) != 1)}{end})"
+    j = next((j for j, (a, b) in enumerate(zip(reply, want)) if a != b), min(len(reply), len(want)))
+    if j == len(reply) or j == len(want):
+        longer, n = ("generate", len(want)) if j == len(reply) else ("your engine", len(reply))
+        return (f"differs from transformers' generate after {j} equal tokens: {longer} goes on to {n} "
+                f"(yours {reply}, generate's {want})")
+    logits = model_logits(model, prompt, reply[:j + 1])[j]  # the step both saw the same tokens before
+    ours, theirs = float(logits[reply[j]]), float(logits[want[j]])
+    verdict = ("a near tie: both are the model's top choice within the grade's tolerance"
+               if abs(ours - theirs) <= LOGIT_TOLERANCE else "your token is not the model's greedy choice")
+    return (f"first differs from transformers' generate at new token {j}: yours {tokenizer.decode([reply[j]])!r} "
+            f"(id {reply[j]}, logit {ours:.4f}), generate's {tokenizer.decode([want[j]])!r} (id {want[j]}, logit "
+            f"{theirs:.4f}): {verdict}")
+
+
+def not_written(error, tree, kernels):
+    """A stub: nothing to chat with yet, which is no failure of the command."""
+    for drill_id in ("l1", "l3"):
+        if f"content/{drill_id}.md" in str(error):
+            name = drill_id.upper()
+            print(f"{name} not written yet ({shown(kernels)}/): the engine runs on it. Pass {name} first, or chat on "
+                  f"the reference kernels: make chat KERNELS=solutions")
+            return 0
+    print(f"E1 not written yet: {shown(tree)}/{STEM}.py raises NotImplementedError ({error}). Read content/e1.md; "
+          f"meanwhile `make chat TREE=solutions` shows the reference engine")
+    return 0
+
 
 if __name__ == "__main__":
     import json
 
     from _tree import load_drill
+    if sys.argv[1:2] == ["chat"]:
+        with torch.no_grad():
+            sys.exit(chat(sys.argv[2:]))
     print(json.dumps(measure(load_drill("solutions", "e1_paged_engine"))))

@@ -115,11 +115,7 @@ def load_smollm2():
     """(model, tokenizer): SmolLM2-135M-Instruct in fp32 on the CPU, in eval mode."""
     if not smollm2_available():
         raise FileNotFoundError(install_hint())
-    path = gguf_file()
-    stat = path.stat()
-    import transformers
-    key = hashlib.sha1(f"{path}:{stat.st_size}:{stat.st_mtime_ns}:{transformers.__version__}".encode())
-    cached = CACHE / f"{NAME}-{key.hexdigest()[:10]}"
+    path, cached = gguf_file(), _cache_folder()
     if cached.is_dir():
         try:
             return load_folder(cached)
@@ -130,10 +126,29 @@ def load_smollm2():
     return one_storage(model), tokenizer
 
 
+def _cache_folder():
+    """Where the dequantised copy of this GGUF file, for this transformers, is kept."""
+    import transformers
+    path = gguf_file()
+    stat = path.stat()
+    key = hashlib.sha1(f"{path}:{stat.st_size}:{stat.st_mtime_ns}:{transformers.__version__}".encode())
+    return CACHE / f"{NAME}-{key.hexdigest()[:10]}"
+
+
+def cached_smollm2():
+    """Whether load_smollm2 will read the kept copy rather than the GGUF file."""
+    return smollm2_available() and _cache_folder().is_dir()
+
+
 def load_folder(folder):
     """(model, tokenizer) of a checkpoint folder (`make chat MODEL=path`), fp32, eval mode."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
-    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    from transformers.utils import logging
+    logging.disable_progress_bar()  # a bar for a load of a second or two is noise
+    try:
+        model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    finally:
+        logging.enable_progress_bar()
     return one_storage(model), AutoTokenizer.from_pretrained(folder)
 
 
