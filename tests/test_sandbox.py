@@ -16,6 +16,7 @@ from pathlib import Path
 
 import pytest
 
+import _env
 import _sandbox
 import _wrong
 from _data import NotData, loads
@@ -264,9 +265,10 @@ def test_a_detached_process_does_not_hold_the_grade(forged):
 
 def test_a_skip_the_learners_run_caused_is_no_pass(forged):
     """Attacks 10 and 14: with the counts withheld (and the test process's limits left alone)
-    no test of the wrong tree skips beyond the one the reference skips on this CPU too."""
+    no test of the wrong tree skips beyond those the reference skips here too (measured: on
+    the CPU the second-device test; on the H200 also the two value checks a sync would cost)."""
     s = forged["grade"]["drills"][0]
-    assert s["skipped"] <= 1 and s["status"] == "failing", s
+    assert s["skipped"] <= (1 if _env.INTERPRET else 3) and s["status"] == "failing", s
 
 
 def test_a_reply_that_is_not_data_is_refused_not_run(forged):
