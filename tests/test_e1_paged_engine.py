@@ -79,6 +79,15 @@ def test_too_few_blocks_requests_wait_are_preempted_and_stop_at_eos(drill, kerne
     run_generate(drill, case, kernels)
 
 
+@pytest.mark.mistake("running_request_skipped")
+def test_every_running_request_needs_a_block_in_the_same_step(drill, kernels):
+    """Three 4-token prompts fill a cache of 3 blocks of 4; at their first decode each needs a
+    second block and none is free. Only preemption goes on: the newest requests give their
+    blocks back (and are recomputed later) until the oldest fits. An engine that lets a
+    request without a block sit the step out is left with nothing to run."""
+    run_generate(drill, engine_case([4, 4, 4], 3, block_size=4, num_blocks=3, seed=8), kernels)
+
+
 # --- models: Llama and Qwen2, GQA groups, head sizes -------------------------
 
 

@@ -14,6 +14,10 @@ from .cases import Recorder
 from .mistakes import PLANTED, SECTION
 from .reference import LOGIT_TOLERANCE, eos_ids, model_logits, step_tensors
 
+# Pitfalls seen directly in what the engine passed to the kernels (the Recorder's log), not
+# inferred from its output: named without the planted variant's tokens to agree (for
+# kv_prev_slot they need not: slot - 1 and position - 1's slot part at a block's start).
+SEEN_DIRECTLY = {"kv_prev_slot"}
 ORDINAL = ["first", "second", "third", "fourth", "fifth", "sixth", "seventh", "eighth"]
 
 
@@ -60,7 +64,8 @@ def check_generate(case, got, rec, error=None, *, drill=None, kernels=None):
         findings, candidate = [], None  # when to stop, not what to compute: the kernels saw nothing wrong
     else:
         findings, candidate = explain(case, calls, got)
-    named = candidate if candidate and _variant_agrees(case, candidate, got, findings, error) else None
+    named = candidate if candidate and (candidate in SEEN_DIRECTLY or
+                                        _variant_agrees(case, candidate, got, findings, error)) else None
     blame = None if named else _blame_kernels(drill, case, kernels)
     lines = [blame or problem]
     if blame:  # what the engine's tensors look like is beside the point then
@@ -225,10 +230,16 @@ def explain(case, calls, got):
     if len(steps) < len(expected):
         left = sorted({r for st in expected[len(steps):] for r, _, _ in st["rows"]})
         done = [r for r in range(len(case.prompts)) if r not in left]
-        return ([f"the engine stopped after {len(steps)} steps of the {len(expected)} the page's schedule runs; "
-                 f"requests {left} never finished"
-                 + (f" while requests {done} had finished and left the cache: were their blocks freed?" if done else "")],
-                "blocks_not_freed" if done else None)
+        findings = [f"the engine stopped after {len(steps)} steps of the {len(expected)} the page's schedule runs; "
+                    f"requests {left} never finished"
+                    + (f" while requests {done} had finished and left the cache: were their blocks freed?" if done
+                       else "")]
+        victims = expected[len(steps)]["preempted"]
+        if victims:  # what the page's scheduler does at the step the engine did not run
+            findings.append(f"at step {len(steps)} the running requests need more blocks than are free: the page's "
+                            f"scheduler preempts the newest (requests {victims}: their blocks freed, recomputed "
+                            f"later) until request {expected[len(steps)]['rows'][0][0]} fits (content/e1.md §5)")
+        return findings, "blocks_not_freed" if done else None
     if not isinstance(got, list):
         return [], None
     said = _sampling(case, got, expected)
@@ -258,9 +269,11 @@ def _step_findings(case, s, slots, keys, starts, lens, table, want, tokens, seen
             t, pos = starts[b] + i, start + i
             own = table[b][pos // bs] * bs + pos % bs
             if slots[t] != own:
-                prev.append(slots[t] == own - 1)
+                owned = table[b][:-(-lens[b] // bs)]
+                prev.append(slots[t] in _one_position_early(owned, pos, bs))
                 findings.append(f"request {r}'s {chunk} (step {s}): the K/V of position {pos} went to slot {slots[t]}, "
-                                f"not its own slot {own} (block {table[b][pos // bs]}, offset {pos % bs})")
+                                f"not its own slot {own} (block {table[b][pos // bs]}, offset {pos % bs})"
+                                + (f": position {pos - 1}'s" if pos and slots[t] == _slot(owned, pos - 1, bs) else ""))
                 continue
             q = _rotated_as(case.model, keys[t], tokens[r][pos], cos, sin)
             if q != pos:
@@ -279,6 +292,19 @@ def _step_findings(case, s, slots, keys, starts, lens, table, want, tokens, seen
             return findings + ["each wrong position was rotated as its index in its chunk, as if the chunk "
                                "started at 0"], "chunk_positions_restart"
     return findings, None
+
+
+def _one_position_early(blocks, pos, bs):
+    """The slots the K/V of position `pos` lands in when written one position early
+    (pitfall:kv_prev_slot, content/e1.md §9), for a sequence owning `blocks`: one slot
+    early, or position pos - 1's slot (they part at a block's start; at position 0,
+    position -1's slot is where Python's floor division and negative index lead: the last
+    slot of the sequence's last block)."""
+    return {_slot(blocks, pos, bs) - 1, _slot(blocks, pos - 1, bs)}
+
+
+def _slot(blocks, pos, bs):
+    return blocks[pos // bs] * bs + pos % bs
 
 
 def _sampling(case, got, expected):

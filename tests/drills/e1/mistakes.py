@@ -25,9 +25,11 @@ PITFALLS = {
         # Two live sequences then write the same slots in one L1 launch: on a GPU in no fixed order.
         races=True),
     "kv_prev_slot": Pitfall(
-        says="K/V are written one slot early, into the previous token's slot (slot - 1)",
+        says="K/V are written one position early, into the previous token's slot (slot - 1, or position - 1's "
+             "slot)",
+        # The page's example: the position computed from the new length minus one.
         edits=(("slots.append(blocks.slot_mapping(req.id, list(pos)))",
-                "slots.append(blocks.slot_mapping(req.id, list(pos)) - 1)"),)),
+                "slots.append(blocks.slot_mapping(req.id, [p - 1 for p in pos]))"),)),
     "sample_wrong_row": Pitfall(
         says="the next token is sampled from the first row of each sequence's chunk, not its last",
         edits=(("last=starts[1:] - 1)", "last=starts[:-1])"),)),
@@ -41,6 +43,13 @@ MISTAKES = {
         ("if token in eos or len(req.new) == req.max_new:", "if len(req.new) == req.max_new:"),)),
     "budget_ignored": Mistake(shows="max_num_batched_tokens", edits=(
         ("n = min(len(req.tokens), left)", "n = len(req.tokens)"),)),
+    # Never preempts: a running request that finds no free block sits the step out. With
+    # room for all but one it passes; when every running request needs a block at once,
+    # nothing runs again (issue 36: it passed 17/17).
+    "running_request_skipped": Mistake(shows="preempts", edits=(
+        ("                victim = self.running.pop()  # the newest",
+         "                break  # planted: skipped this step, nobody preempted\n"
+         "                victim = self.running.pop()  # the newest"),)),
 }
 
 PLANTED = Planted(id="e1", stem="e1_paged_engine", section=SECTION, pitfalls=PITFALLS, mistakes=MISTAKES)
