@@ -33,10 +33,15 @@ _CHUNK = 64 << 20                 # copies in 64 MiB pieces: a 4 GiB cache never
 
 
 def send(sock, payload, fds=()):
-    """Send one message, with these descriptors attached (the test process only)."""
+    """Send one message, with these descriptors attached (the test process only): the
+    first MAX_FDS with the header, any more in batches of one byte each (SCM_RIGHTS takes
+    at most 253 a message, and a model's parameters are hundreds of storages)."""
     header = _HEADER.pack(len(payload), len(fds))
+    fds = list(fds)
     if fds:
-        socket.send_fds(sock, [header], list(fds))
+        socket.send_fds(sock, [header], fds[:MAX_FDS])
+        for at in range(MAX_FDS, len(fds), MAX_FDS):
+            socket.send_fds(sock, [b"+"], fds[at:at + MAX_FDS])
     else:
         sock.sendall(header)
     sock.sendall(payload)
@@ -54,6 +59,11 @@ def recv(sock, take_fds=False):
     length, count = _HEADER.unpack(data)
     if length > MAX_MESSAGE:
         raise EOFError(f"a message of {length} bytes")
+    while take_fds and len(fds) < count:
+        more, extra, _, _ = socket.recv_fds(sock, 1, MAX_FDS)
+        if more != b"+" or not extra:
+            break
+        fds += extra
     if len(fds) != (count if take_fds else 0):
         for fd in fds:
             os.close(fd)
