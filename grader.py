@@ -33,6 +33,7 @@ import _env  # noqa: E402  -- first: decides CPU interpreter vs GPU
 import _commands  # noqa: E402
 import _grading  # noqa: E402
 import _picture  # noqa: E402
+import _sandbox  # noqa: E402
 from _manifest import DRILLS, drill as find_drill  # noqa: E402
 from _process import become_subreaper, kill_leftovers, stop_children_on_signals  # noqa: E402
 from _render import Printer, cleaned, for_json, make_console  # noqa: E402
@@ -132,7 +133,7 @@ def main(argv=None):
     stop_children_on_signals(lambda text: console.print(f"\n[bold red]{text}[/]"))
     before = _grading.snapshot()
     ok, says = _grading.integrity()
-    grade = dict(tree=str(tree), tree_name=args.tree, device=_env.describe(), interpret=_env.INTERPRET, sandbox=SANDBOX,
+    grade = dict(tree=str(tree), tree_name=args.tree, device=_env.describe(), interpret=_env.INTERPRET, sandbox=SANDBOX, sandbox_missing=_sandbox.missing(),
                  drills=[], integrity=dict(ok=ok, says=says), leftover_processes_killed=0)
     printer = Printer(console, grade, [d.title for d in drills])
     printer.header()

@@ -111,9 +111,13 @@ class Printer:
         print_ = self.console.print
         print_(Text.assemble(("drills", "bold"), " · tree ", (clean_text(self.grade["tree"]), "cyan"),
                              f" · {self.grade['device']}"))
-        if self.grade.get("sandbox") == "none":
-            print_("[bold yellow]warning:[/] no Landlock on this kernel (Linux >= 5.13 has it): the learner's code "
-                   "runs unconfined, so this grade is not tamper-proof here")
+        missing = self.grade.get("sandbox_missing") or (["Landlock", "seccomp"] if self.grade.get("sandbox") == "none"
+                                                        else [])
+        if missing:
+            why = {"Landlock": "Landlock (Linux >= 5.13) would keep it to its own files",
+                   "seccomp": "seccomp (libseccomp and pyseccomp) would refuse its sockets and calls on other processes"}
+            print_(f"[bold yellow]warning:[/] no {' and no '.join(missing)} here, so the learner's code runs less "
+                   f"confined and this grade is not tamper-proof: " + "; ".join(why[m] for m in missing))
         integrity = self.grade.get("integrity")
         if integrity and not integrity["ok"]:
             print_(Text.assemble(("warning: ", "bold yellow"), clean_text(integrity["says"])))

@@ -284,21 +284,24 @@ def test_the_failure_footer_names_the_graded_tree():
     assert "--tree mine" not in text and "--tree=mine" not in text
 
 
-@pytest.mark.parametrize("sandbox,warned", [("none", True), ("landlock ABI 7", False)])
-def test_a_grade_without_landlock_says_in_one_line_that_it_is_not_tamper_proof(sandbox, warned, monkeypatch):
-    """Where the kernel has no Landlock the grade warns, and --json records "sandbox": "none"
-    (grader.py takes the value from tests/_worker.py's SANDBOX)."""
+@pytest.mark.parametrize("sandbox,missing,warned", [("none", None, "Landlock and no seccomp"),
+                                                     ("landlock ABI 7 + seccomp", [], None),
+                                                     ("landlock ABI 7; no seccomp", ["seccomp"], "no seccomp here")])
+def test_a_grade_without_landlock_says_in_one_line_that_it_is_not_tamper_proof(sandbox, missing, warned, monkeypatch):
+    """Where the kernel has no Landlock, or there is no seccomp, the grade says which in one
+    line, and --json records it ("sandbox", "sandbox_missing": tests/_sandbox.py's describe
+    and missing)."""
     from rich.console import Console
 
     import _render
     front = load_front()
-    assert front.SANDBOX == "none" or front.SANDBOX.startswith("landlock ABI")
+    assert front.SANDBOX == "none" or "landlock ABI" in front.SANDBOX or "seccomp" in front.SANDBOX
     console = Console(record=True, width=300)
-    _render.show(console, dict(tree="t", tree_name="mine", device="CPU", sandbox=sandbox, drills=[],
-                               bench_note="needs a GPU"))
+    _render.show(console, dict(tree="t", tree_name="mine", device="CPU", sandbox=sandbox, sandbox_missing=missing,
+                               drills=[], bench_note="needs a GPU"))
     text = console.export_text()
-    assert ("not tamper-proof" in text) == warned
-    assert sum("not tamper-proof" in line for line in text.splitlines()) == int(warned)
+    assert sum("not tamper-proof" in line for line in text.splitlines()) == int(bool(warned))
+    assert warned is None or warned in text
 
 
 def test_interpreter_warnings_are_marked_with_short_paths_and_the_learners_lines_stand_out():
