@@ -134,6 +134,9 @@ class Worker:
         spare, self.spare = self.spare, None
         if spare is not None and spare[0] == (self.readable, self.preload):
             self.proc, self.sock, self.scratch, self.log = spare[1]
+            # A worker that crashed once may crash again (a planted bug, a learner's bad offset):
+            # the next spare boots while this one serves.
+            self.spare = ((self.readable, self.preload), self._launch())
         else:
             _end(spare)
             self.proc, self.sock, self.scratch, self.log = self._launch()
