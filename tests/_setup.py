@@ -155,7 +155,9 @@ def install_extra(name, venv, dry_run):
     if not (Path(venv) / "bin" / "python").exists():
         raise SystemExit(f"setup: --extra {name} installs into {venv}, which does not exist yet: run set-up first")
     start = time.monotonic()
-    installer = os.environ.get("INSTALLER", "")
+    # With a GPU the venv sees the system's torch, which uv need not count as installed (and
+    # could pull another torch for accelerate): pip there, as set-up itself uses.
+    installer = os.environ.get("INSTALLER", "") or ("pip" if has_gpu() else "")
     uv = None if installer == "pip" else find_uv()
     if installer == "uv" and uv is None:
         raise SystemExit("setup: INSTALLER=uv, but uv is not on PATH and `pip install uv` failed")
