@@ -126,15 +126,15 @@ def _kill_all(pids):
 
 
 def kill_descendants(root, keep=(), rounds=20):
-    """Kill every process below `root` (not `root` itself), and, in a subreaper
-    (`become_subreaper`), every child of this process not in `keep` (an orphan of ours
-    re-parented here), listing /proc again until nothing is left: a process may fork
-    while we kill its parent. Returns how many were killed."""
+    """Kill every process below `root` (not `root` itself); root=None, in a subreaper
+    (`become_subreaper`): every child of this process not in `keep` (an orphan of ours
+    re-parented here) and all below it. Lists /proc again until nothing is left (a
+    process may fork while we kill its parent). Returns how many were killed."""
     me, killed = os.getpid(), 0
     for _ in range(rounds):
         parents = _parents()
         below, frontier = set(), {root} if root else set()
-        if any(_SUBREAPER):
+        if root is None and any(_SUBREAPER):
             frontier |= {p for p, parent in parents.items() if parent == me and p not in keep and p != root}
             below |= frontier - {root}
         while frontier:

@@ -90,8 +90,12 @@ def serve(config):
             data = _channel.pickle_reply(("error", (type(error).__name__, f"the result of {name}() could not be "
                                                     f"sent back: {error}", None), captured.out, captured.err, 0,
                                           fatal), {})
-        _channel.send(sock, data)
+        # Let go of the call's tensors before replying: a CUDA storage received by IPC is the
+        # test process's memory, which it frees (or reuses) once it has our answer.
         del args, kwargs, storages, reply, result
+        if torch.cuda.is_available() and torch.cuda.is_initialized():
+            torch.cuda.synchronize()
+        _channel.send(sock, data)
         if fatal:
             os._exit(3)  # a CUDA error leaves the context unusable: let the next call start afresh
 

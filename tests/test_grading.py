@@ -18,7 +18,7 @@ import _grading
 import _wrong
 from _manifest import BY_ID
 from _tree import ROOT, load_front
-from _worker import SANDBOX, LearnerCrash, LearnerTimeout, TreeModule, Worker
+from _worker import SANDBOX, SHORT_TIMEOUT, LearnerCrash, LearnerTimeout, TreeModule, Worker
 
 L1 = BY_ID["l1"]
 
@@ -129,6 +129,26 @@ def test_an_endless_loop_costs_its_test_then_the_next_call_works(tmp_path, worke
     assert time.monotonic() - started < 30
     worker.budget = 30
     assert worker.call(tree, L1.stem, "reshape_and_cache", (), {}) == 7
+
+
+def test_a_function_that_hung_gets_a_short_limit_then_is_not_run_again(tmp_path, worker):
+    """A hung kernel costs one test's limit, then a short one, then nothing: the rest of the
+    drill's calls of it fail at once (a hung L1 grade: 23 minutes before, under 2 now)."""
+    tree = learner(tmp_path, "def slot_mapping(*a):\n    while True:\n        pass\n\n"
+                             "def reshape_and_cache(*a):\n    return 7\n")
+    with pytest.raises(LearnerTimeout, match="endless loop"):
+        worker.call(tree, L1.stem, "slot_mapping", (), {})
+    worker.budget = 60
+    started = time.monotonic()
+    with pytest.raises(LearnerTimeout, match="already ran past the limit in an earlier test"):
+        worker.call(tree, L1.stem, "slot_mapping", (), {})
+    assert time.monotonic() - started < SHORT_TIMEOUT + 30  # the short limit, and a spare worker's boot
+    worker.budget = 60
+    started = time.monotonic()
+    with pytest.raises(LearnerTimeout, match="was not run"):
+        worker.call(tree, L1.stem, "slot_mapping", (), {})
+    assert time.monotonic() - started < 1
+    assert worker.call(tree, L1.stem, "reshape_and_cache", (), {}) == 7  # the other function still runs
 
 
 def test_an_exit_at_import_is_reported_as_such(tmp_path, worker):
