@@ -247,7 +247,6 @@ def load(folder):
         hint = "" if folder or smollm2_available() else f"\n  {install_hint()}"
         print(f"chat: the model could not be loaded: {error}{hint}", file=sys.stderr)
         return None
-    model = model.to(_env.DEVICE)
     print(f"{describe(model, folder)}; loaded in {time.monotonic() - started:.1f} s")
     return model, tokenizer
 

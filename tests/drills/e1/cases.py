@@ -111,19 +111,20 @@ def install_hint():
             "tests/_setup.py --extra e1-model)")
 
 
-def load_smollm2():
-    """(model, tokenizer): SmolLM2-135M-Instruct in fp32 on the CPU, in eval mode."""
+def load_smollm2(device=_env.DEVICE):
+    """(model, tokenizer): SmolLM2-135M-Instruct in fp32, in eval mode, on `device` (where the
+    kernels run)."""
     if not smollm2_available():
         raise FileNotFoundError(install_hint())
     path, cached = gguf_file(), _cache_folder()
     if cached.is_dir():
         try:
-            return load_folder(cached)
+            return load_folder(cached, device)
         except (OSError, ValueError):  # a damaged copy: read the GGUF file again and rewrite it
             shutil.rmtree(cached, ignore_errors=True)
     model, tokenizer = _from_gguf(path)
     _keep(model, tokenizer, cached)
-    return one_storage(model), tokenizer
+    return one_storage(model.to(device)), tokenizer
 
 
 def _cache_folder():
@@ -140,7 +141,7 @@ def cached_smollm2():
     return smollm2_available() and _cache_folder().is_dir()
 
 
-def load_folder(folder):
+def load_folder(folder, device=_env.DEVICE):
     """(model, tokenizer) of a checkpoint folder (`make chat MODEL=path`), fp32, eval mode."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
     from transformers.utils import logging
@@ -149,7 +150,7 @@ def load_folder(folder):
         model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
     finally:
         logging.enable_progress_bar()
-    return one_storage(model), AutoTokenizer.from_pretrained(folder)
+    return one_storage(model.to(device)), AutoTokenizer.from_pretrained(folder)
 
 
 def one_storage(model):
