@@ -190,14 +190,14 @@ def smollm2():
     return load_smollm2()
 
 
-def test_serves_smollm2_as_generate_does(drill, kernels, smollm2, request):
+def test_serves_smollm2_as_generate_does(drill, kernels, request):
     """SmolLM2-135M-Instruct (30 layers, 9 query heads over 3 KV heads, head size 64): two
     chat prompts, each new token the model's greedy choice, as transformers' generate makes
     it. Run once the tiny-model tests pass: until then they say more, and sooner."""
     failed = _failed_before(request)
-    if failed:
+    if failed:  # before the model loads (up to 25 s the first time)
         pytest.skip(f"{failed} E1 test(s) above failed; the real model runs once the tiny models pass")
-    model, tokenizer = smollm2
+    model, tokenizer = request.getfixturevalue("smollm2")
     prompts = [chat_ids(tokenizer, text, system=SMOLLM2_SYSTEM) for text in SMOLLM2_PROMPTS]
     case = EngineCase(model, prompts, [SMOLLM2_NEW_TOKENS] * len(prompts),
                       what=f"SmolLM2-135M-Instruct, chat prompts {list(SMOLLM2_PROMPTS)}")
