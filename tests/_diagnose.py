@@ -218,14 +218,3 @@ def check_out_buffer(out, returned, what="out"):
                        f"missing or masked off for them")
 
 
-@contextmanager
-def reads_only_the_table_it_needs(section):
-    """Around a call whose block table has its last row's entries past the last block on a
-    fenced page (_paged.fence_last_row): a crash there is said as what the case shows."""
-    try:
-        yield
-    except LearnerCrash as error:
-        raise Mismatch(f"your code crashed on a case whose only unreadable memory is the block table past the last "
-                       f"sequence's last block: a kernel that loads only the entries up to ceil(seq_len / block_size) "
-                       f"never touches it; one that loads the whole row, or a full tile of entries, does ({section})"
-                       f"\n  {error}") from None

@@ -29,6 +29,7 @@ from pathlib import Path
 
 import _env
 import _wrong
+from _diagnose import explain_error
 from _process import exit_name, run_process
 from _report import read_signed
 from _tree import ROOT
@@ -96,9 +97,12 @@ def run_tests(drills, tree, timeout, env=None, variants=None, select=None):
             if dead is None:
                 problems.append(f"the test process ended ({how}) with no test running")
                 break
+            message = f"the test process died in this test ({how})"
+            meaning = explain_error(message)
             records.append(dict(test=dead["start"], name=dead["start"].split("::")[-1], outcome="failed",
                                 kind="crash", variant=dead.get("variant"), pitfall_test=dead["pitfalls"],
-                                message=f"the test process died in this test ({how})", pitfalls=[]))
+                                message=message + (f"\n  which usually means: {meaning}" if meaning else ""),
+                                pitfalls=[]))
             done += sorted(finished | {dead["start"]})
         else:
             problems.append(f"the test process died {RESTARTS + 1} times; the rest of the tests were not run")
@@ -122,6 +126,8 @@ def summarize(drill, records, problems=()):
                    first_failure=None, diagnosis=[])
 
     summary["timed_out"] = any(r.get("kind") == "timeout" for r in failures)
+    summary["left_out"] = [dict(name=r["name"], why=str(r.get("message") or "").removeprefix("Skipped: "))
+                           for r in ran if r["outcome"] == "skipped"]
     real = [r for r in failures if r.get("kind") != "not_implemented"]
     ordered = sorted(real, key=_simplest_first)
     first = (ordered or failures or [None])[0]
@@ -190,6 +196,7 @@ def grade_drill(drill, tree, timeout, workdir=None, test_timeout=None, env=None,
         env["DRILLS_TIMEOUT"] = str(test_timeout)
     records, problems = run_tests([drill], tree, timeout, env, select=select)
     summary = summarize(drill, records, problems)
+    summary["kernels"] = env.get("DRILLS_KERNELS") or os.environ.get("DRILLS_KERNELS") or None
     summary["seconds"] = round(time.monotonic() - started, 1)
     return summary
 

@@ -90,7 +90,8 @@ STYLE = {"passed": "bold green", "failing": "bold red", "not started": "yellow"}
 
 def status_text(s):
     failing = f"failing {s['failed']} of {s['total']}" if s["failed"] else "failing"  # 0: withdrawn, see its box
-    label = {"passed": f"passed {s['passed']}/{s['total']}", "not started": "not started", "failing": failing}
+    passed = f"passed {s['passed']}/{s['total']}" + (f", {len(s['left_out'])} left out" if s.get("left_out") else "")
+    label = {"passed": passed, "not started": "not started", "failing": failing}
     return Text(label[s["status"]], style=STYLE[s["status"]])
 
 
@@ -134,6 +135,11 @@ class Printer:
         print_ = self.console.print
         self.title_width = max(self.title_width, len(s["title"]))
         print_(self._row(s["id"].upper(), s["title"], status_text(s), f"{s.get('seconds', 0):.0f} s"))
+        if s.get("kernels"):  # make grade KERNELS=...: say whose kernels ran, and what that left out
+            print_(Text(f"      graded on the L1 and L3 of {clean_text(s['kernels'])} (KERNELS=), not this tree's",
+                        style="dim"))
+        for left in s.get("left_out") or ():
+            print_(Text(f"      left out: {clean_text(left['name'])}: {clean_text(left['why'])}", style="dim"))
         if s["status"] == "not started" and "not started" not in self.said:
             self.said.add("not started")
             print_(Text.assemble((f"{s['id'].upper()} not started", "yellow"), f": read {s['page']}, then write "

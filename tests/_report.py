@@ -15,9 +15,9 @@ import traceback
 
 import pytest
 
-from _diagnose import Mismatch, explain_error
+from _diagnose import Mismatch, explain_error, said_error
 from _render import INTERPRETER_MARK, LIBRARY_MARK, cleaned
-from _worker import LearnerCrash, LearnerError, LearnerTimeout
+from _worker import LearnerCrash, LearnerTimeout
 
 
 def sign(key, text):
@@ -62,7 +62,7 @@ def classify(error):
         return "mismatch", str(error)
     if isinstance(error, AssertionError):
         return "mismatch", str(error).split("\nassert ")[0]
-    message = str(error) if isinstance(error, LearnerError) else f"{type(error).__name__}: {error}"
+    message = said_error(error)
     meaning = explain_error(message)
     return "error", message + (f"\n  which usually means: {meaning}" if meaning else "")
 
@@ -171,6 +171,8 @@ class Reporter:
         if report.when == "call" or report.failed or report.skipped:
             record = dict(test=item.nodeid, name=item.name, outcome=report.outcome, variant=_variant(item),
                           pitfall_test=[m.args[0] for m in item.iter_markers("pitfall")])
+            if report.skipped:  # why, so the grade can say which tests it left out
+                record["message"] = report.longrepr[2] if isinstance(report.longrepr, tuple) else str(report.longrepr)
             if report.failed and call.excinfo is not None:
                 error = call.excinfo.value
                 record["kind"], record["message"] = classify(error)

@@ -205,37 +205,6 @@ def test_l3_and_l4_loading_the_whole_table_row_fail_their_test(tmp_path, entry, 
         module.check_table_read_only_to_last_block(_planted(entry, (edit,), tmp_path), case)
 
 
-@pytest.mark.parametrize("entry,edit", [(L2, L2_WHOLE_ROW[0]), (L3, ("key // BLOCK_SIZE, mask=key_live, other=0)",
-                                        "key // BLOCK_SIZE, mask=key < table_stride * BLOCK_SIZE, other=0)")),
-                                        (L4, L2_WHOLE_ROW[0])], ids=["l2", "l3", "l4"])
-def test_loading_the_whole_table_row_crashes_on_the_fenced_page_in_a_normal_run(tmp_path, entry, edit):
-    """No counter installed: the fence (tests/_paged.py fence_last_row) alone catches it,
-    and the reference, which loads only the entries it needs, runs."""
-    from importlib import import_module
-
-    from _diagnose import Mismatch, reads_only_the_table_it_needs
-    from _paged import fence_last_row, poisoned_out
-    module = import_module(f"drills.{entry.id}")
-    if entry.id == "l3":
-        # the last sequence ends inside a key tile, so a tile of table entries reaches past it
-        case = module.paged_prefill_case([1, 20, 3], [47, 30, 2], num_heads=8, num_kv_heads=2, head_size=16,
-                                         block_size=4, extra_columns=3, seed=6)
-        block_size, call = 4, lambda m: m.paged_prefill_attention(*case.args(), **case.kwargs())
-    else:
-        case = (module.small_case("cpu", [5, 17, 40], extra_columns=3, seed=6) if entry.id == "l2"
-                else module.split_case([5, 17, 40], num_splits=3, extra_columns=3, seed=6))
-        name = "paged_decode_attention" if entry.id == "l2" else "paged_decode_attention_split"
-        block_size = 16
-        call = lambda m: getattr(m, name)(*case.args(), **case.kwargs(),  # noqa: E731
-                                          out=poisoned_out(case.query.shape, case.query.dtype, "cpu",
-                                                           torch.Generator()).view)
-    case.block_table = fence_last_row(case.block_table, int(case.seq_lens[-1]), block_size, torch.Generator())
-    call(tree_module("solutions", entry.stem))
-    with pytest.raises(Mismatch, match="only unreadable memory is the block table"):
-        with reads_only_the_table_it_needs("here"):
-            call(_planted(entry, (edit,), tmp_path))
-
-
 def _l2_right(module):
     from _paged import poisoned_out
     from drills.l2 import check_paged_decode, traffic_case

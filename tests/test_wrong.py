@@ -224,6 +224,9 @@ def test_f1_diagnosis_names_the_planted_mistake_and_nothing_on_a_right_answer(de
     ("ValueError: arange's range must be a power of 2", "next_power_of_2"),
     ("IncompatibleTypeErrorImpl('invalid operands of type pointer<fp16> and triton.language.float32')", "float dtype"),
     ("RuntimeError: CUDA error: an illegal memory access was encountered", "int32"),
+    ("the process running your code ended in f() (killed by SIGSEGV): usually a read or write far outside a tensor",
+     "int64"),
+    ("the test process died in this test (killed by SIGBUS)", "int64"),
 ])
 def test_known_error_messages_are_explained(message, meaning):
     assert meaning in explain_error(message)
