@@ -157,8 +157,8 @@ def load_folder(folder, device=_env.DEVICE):
 def one_storage(model):
     """The model with every parameter and buffer moved into one flat storage per dtype (as
     views, values unchanged). The learner's worker gets each storage of a call as a shared
-    copy, one file descriptor each, and one message carries at most 250 of them
-    (tests/_channel.py): SmolLM2 alone has 272 parameters."""
+    copy of its own (a memfd and a descriptor, tests/_channel.py): SmolLM2's 272 parameters
+    then travel as one copy, not 272."""
     tensors = {}
     for t in [*model.parameters(), *model.buffers()]:  # a tied weight comes once
         tensors.setdefault(t.dtype, []).append(t)
