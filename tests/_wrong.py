@@ -64,6 +64,7 @@ def variant(drill, name):
     if not (where / f"{drill.stem}.py").exists():
         plant(drill, name, where)
     # One worker serves every variant; it imports the drill's cases (what its arguments are made
-    # of: `drill` may be a Planted, which knows no more). Our own code: no contract to hold it to.
-    _VARIANTS.prepare(readable=[folder()], preload=(f"drills.{drill.id}.cases",))
+    # of: `drill` may be a Planted, which knows no more) and may read the references (E1's
+    # variants run on them). Our own code: no contract to hold it to.
+    _VARIANTS.prepare(readable=[folder(), ROOT / "solutions"], preload=(f"drills.{drill.id}.cases",))
     return TreeModule(where, drill.stem, _VARIANTS)
