@@ -94,5 +94,22 @@ def check_self_test_budget(text):
     assert "一共 4 步" in text.split("## 10")[1]
 
 
+# SmolLM2-135M-Instruct's shape (tests/drills/e1/cases.py): layers, query heads, KV heads, head size.
+SMOLLM2 = dict(layers=30, heads=9, kv_heads=3, head_size=64)
+
+
+def check_chat_numbers(text):
+    """The chat section's arithmetic (§7, 让它开口): the GQA group, and a token's fp32 K/V
+    bytes with 3 KV heads and with 9."""
+    part = text.split("### 让它开口")[1].split("\n## ")[0]
+    m = SMOLLM2
+    assert f"{m['heads']} / {m['kv_heads']} = {m['heads'] // m['kv_heads']}" in part
+    assert f"{m['heads'] * m['head_size']} = {m['heads']} × {m['head_size']}" in part
+    per_token = 2 * m["layers"] * m["kv_heads"] * m["head_size"] * 4
+    stated = re.search(r"2 × 30 层 × 3 × 64 × 4 字节 ≈ (\d+) KB，而不是 (\d+) KB", part)
+    assert stated, "§7's chat part no longer states a token's K/V bytes as the check expects"
+    assert int(stated[1]) == round(per_token / 1000) and int(stated[2]) == round(per_token * 3 / 1000)
+
+
 PAGE_CHECKS = (check_worked_example_table, check_free_blocks_before_the_last_step, check_padded_block_tables,
-               check_eos_rule, check_self_test_blocks, check_self_test_budget)
+               check_eos_rule, check_self_test_blocks, check_self_test_budget, check_chat_numbers)
