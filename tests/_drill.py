@@ -95,6 +95,7 @@ class Drill:
     traffic: Callable = None     # (module) -> dict: its traffic case's bytes against the fewest (tests/_traffic.py)
     writes: dict = field(default_factory=dict)  # {function: names of the arguments it writes}; the others it
                                                 # only reads, and the worker's call fails if one comes back changed
+    milestones: dict = field(default_factory=dict)  # {test name: a line the grade prints when it passes}
     preload: tuple = ()          # modules of ours the worker imports before it is confined: what the drill's
                                  # arguments are made of (a class of its cases), since tests/ is closed to it after
 

@@ -126,6 +126,8 @@ def summarize(drill, records, problems=()):
                    first_failure=None, diagnosis=[])
 
     summary["timed_out"] = any(r.get("kind") == "timeout" for r in failures)
+    summary["milestones"] = [line for name, line in drill.milestones.items()
+                             if any(r["name"].split("[")[0] == name and r["outcome"] == "passed" for r in ran)]
     summary["left_out"] = [dict(name=r["name"], why=str(r.get("message") or "").removeprefix("Skipped: "))
                            for r in ran if r["outcome"] == "skipped"]
     real = [r for r in failures if r.get("kind") != "not_implemented"]

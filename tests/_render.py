@@ -138,6 +138,8 @@ class Printer:
         if s.get("kernels"):  # make grade KERNELS=...: say whose kernels ran, and what that left out
             print_(Text(f"      graded on the L1 and L3 of {clean_text(s['kernels'])} (KERNELS=), not this tree's",
                         style="dim"))
+        for line in s.get("milestones") or ():
+            print_(Text(f"      {line}", style="bold green"))
         for left in s.get("left_out") or ():
             print_(Text(f"      left out: {clean_text(left['name'])}: {clean_text(left['why'])}", style="dim"))
         if s["status"] == "not started" and "not started" not in self.said:
