@@ -38,7 +38,7 @@ from _manifest import DRILLS, drill as find_drill  # noqa: E402
 from _process import become_subreaper, kill_leftovers, stop_children_on_signals  # noqa: E402
 from _render import Printer, cleaned, for_json, make_console  # noqa: E402
 from _tree import default_tree, tree_path  # noqa: E402
-from _worker import SANDBOX, SHORT_TIMEOUT, TIMEOUT  # noqa: E402
+from _worker import SANDBOX, SHORT_TIMEOUT, TIMEOUT, live_pids  # noqa: E402
 
 COMMANDS = ("show", "hint", "reset", "doctor", "watch", "diff")
 
@@ -145,7 +145,7 @@ def main(argv=None):
             spinner.update(f"grading {drill.id.upper()} {drill.title}...")
             grade["drills"].append(grade_one(drill, tree, args, workdir, spinner, console))
             # Nothing the learner's code started may outlive its drill and touch what comes next.
-            grade["leftover_processes_killed"] += kill_leftovers()
+            grade["leftover_processes_killed"] += kill_leftovers(keep=live_pids())
             check_integrity(grade, before)
             printer.drill(grade["drills"][-1])
 
@@ -164,7 +164,7 @@ def main(argv=None):
                     spinner.update(f"timing {drill.id.upper()}...")
                     s["bench"] = cleaned(_bench.in_subprocess(drill, tree, grade["ceiling_gbps"], args.timeout))
     # Nothing the learner's code started may outlive the grade and touch what it writes.
-    grade["leftover_processes_killed"] += kill_leftovers()
+    grade["leftover_processes_killed"] += kill_leftovers(keep=live_pids())
     check_integrity(grade, before)
     printer.footer()
     if args.json:

@@ -10,10 +10,14 @@ import signal
 import subprocess
 import sys
 import tempfile
+import threading
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 _CHILDREN = set()  # live process groups, killed on Ctrl-C or SIGTERM
+# Held while a child is started and recorded, and while a sweep decides what to keep: a
+# grading run started from a thread is never taken for a leftover in between.
+_STARTING = threading.Lock()
 _SUBREAPER = []    # [True] once this process adopts its descendants' orphans
 
 
@@ -47,11 +51,12 @@ def run_process(cmd, timeout, env=None, pass_fds=(), untrusted=False):
     # One thread per child: the tensors are tiny, and two graders side by side on a
     # 2-core machine would otherwise oversubscribe it several times over.
     with tempfile.TemporaryFile() as out, tempfile.TemporaryFile() as err:
-        proc = subprocess.Popen(cmd, cwd=ROOT, stdout=out, stderr=err, stdin=subprocess.DEVNULL,
-                                start_new_session=True, pass_fds=pass_fds, preexec_fn=die_with_parent,
-                                env={"OMP_NUM_THREADS": "1", **(allowed_env() if untrusted else os.environ),
-                                     **(env or {})})
-        _CHILDREN.add(proc.pid)
+        with _STARTING:
+            proc = subprocess.Popen(cmd, cwd=ROOT, stdout=out, stderr=err, stdin=subprocess.DEVNULL,
+                                    start_new_session=True, pass_fds=pass_fds, preexec_fn=die_with_parent,
+                                    env={"OMP_NUM_THREADS": "1", **(allowed_env() if untrusted else os.environ),
+                                         **(env or {})})
+            _CHILDREN.add(proc.pid)
         try:
             code = proc.wait(timeout=timeout)
         except subprocess.TimeoutExpired:
@@ -132,7 +137,8 @@ def kill_descendants(root, keep=(), rounds=20):
     process may fork while we kill its parent). Returns how many were killed."""
     me, killed = os.getpid(), 0
     for _ in range(rounds):
-        parents = _parents()
+        with _STARTING:  # the machinery's own children (a grading run in a thread) stay
+            keep, parents = set(keep) | set(_CHILDREN), _parents()
         below, frontier = set(), {root} if root else set()
         if root is None and any(_SUBREAPER):
             frontier |= {p for p, parent in parents.items() if parent == me and p not in keep and p != root}
@@ -147,13 +153,14 @@ def kill_descendants(root, keep=(), rounds=20):
     return killed
 
 
-def kill_leftovers():
-    """Kill every process still parented to this one (after `become_subreaper`: every
-    process the grade started, however it detached), and reap them. Returns how many;
-    nothing is done in a process that is not a subreaper (grader.main run by the tests)."""
+def kill_leftovers(keep=()):
+    """Kill every process still parented to this one but those in `keep` and the ones
+    `run_process` is waiting for (after `become_subreaper`: every process the grade
+    started, however it detached), and reap them. Returns how many; nothing is done in a
+    process that is not a subreaper."""
     if not any(_SUBREAPER):
         return 0
-    return kill_descendants(None)
+    return kill_descendants(None, keep)
 
 
 def exit_name(code):

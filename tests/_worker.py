@@ -53,7 +53,7 @@ import torch
 import _channel
 import _data
 import _sandbox
-from _process import _CHILDREN, allowed_env, kill_descendants
+from _process import allowed_env, kill_descendants
 
 ISOLATE = os.environ.get("DRILLS_ISOLATE", "1") != "0"
 # Seconds of the learner's code one test (or hypothesis example) may use (DRILLS_TIMEOUT;
@@ -368,12 +368,16 @@ def calls_made():
     return merged
 
 
+def live_pids():
+    """The workers of this process, spares included: what a sweep of leftovers must keep."""
+    return {w.proc.pid for w in WORKERS if w.proc is not None} | {w.spare[1][0].pid for w in WORKERS if w.spare}
+
+
 def end_strays():
     """End every process the workers started, and every orphan of theirs that was
     re-parented to this process (a double fork), keeping the workers themselves and the
     children the machinery started (tests/_process.py)."""
-    keep = {w.proc.pid for w in WORKERS if w.proc is not None} | set(_CHILDREN)
-    keep |= {w.spare[1][0].pid for w in WORKERS if w.spare is not None}
+    keep = live_pids()
     for worker in WORKERS:
         if worker.proc is not None:
             kill_descendants(worker.proc.pid, keep)
