@@ -38,7 +38,6 @@ import atexit
 import json
 import os
 import pickle
-import select
 import shutil
 import signal
 import socket
@@ -177,11 +176,13 @@ class Worker:
             self.spare = ((self.readable, self.preload), self._launch())
 
     def _receive(self, wait):
-        """The next message within `wait` seconds (None if none came), read as data."""
-        ready, _, _ = select.select([self.sock], [], [], max(wait, 0))
-        if not ready:
+        """The next message's bytes within `wait` seconds (None if it did not come whole: a
+        worker that sends half a message and stops is a time-out, not a wait forever)."""
+        self.sock.settimeout(max(wait, 1e-3))
+        try:
+            payload, _ = _channel.recv(self.sock)
+        except TimeoutError:
             return None
-        payload, _ = _channel.recv(self.sock)
         return payload
 
     def _boot(self):
@@ -225,6 +226,7 @@ class Worker:
 
     def _exchange(self, name, request, sharing, traffic):
         started, phase = time.monotonic(), "starting"
+        self.sock.settimeout(max(self.budget, 1))  # a worker that stops reading cannot hold the send either
         # A function that hung once is likely to hang again: its later calls get a few times its
         # slowest finished call (at least SHORT_TIMEOUT s), not the whole limit, so one endless
         # loop costs one test's limit plus seconds for each test after it.
