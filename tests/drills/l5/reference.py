@@ -93,6 +93,7 @@ def dequantised_attention(case, k_power=1, v_power=1, scale_of_query_head=False,
 
 # (atol, rtol) against the float64 reference on the dequantised cache: L2's and L4's.
 TOLERANCE = {torch.float16: (2e-3, 2e-3), torch.bfloat16: (1.5e-2, 1.5e-2), torch.float32: (1e-4, 1e-4)}
-# vLLM's own fp8 attention test compares with the unquantised inputs at atol = rtol = 0.15:
-# the format's error, reported, never failed on alone.
+# vLLM's own fp8 attention test compares with the unquantised inputs at atol = rtol = 0.15
+# when Q, K and V are all fp8 (not for an fp8 KV cache alone): the format's error, reported
+# here as a yardstick, never failed on alone.
 FORMAT_TOLERANCE = 0.15
