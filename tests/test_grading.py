@@ -268,6 +268,29 @@ def test_equal_speeds_read_the_same_speed():
     assert _render.compared(10.0, 36.0) == "3.60× slower"
 
 
+def test_a_pass_says_its_milestones_what_it_left_out_and_whose_kernels_ran():
+    """make grade DRILL=e1 KERNELS=solutions: the row says whose L1 and L3 ran, each skipped
+    test is said with its reason, and a milestone test that passed (SmolLM2) gets its line."""
+    from rich.console import Console
+
+    import _render
+    e1 = BY_ID["e1"]
+    records = [dict(collected=["a", "b", "c"]),
+               dict(test="a", name="test_worked_example", outcome="passed"),
+               dict(test="b", name="test_serves_smollm2_as_generate_does", outcome="passed"),
+               dict(test="c", name="test_kernels_are_the_trees_own", outcome="skipped",
+                    message="Skipped: KERNELS= grades E1 on other kernels")]
+    summary = dict(_grading.summarize(e1, records), seconds=1, kernels="solutions")
+    assert summary["status"] == "passed" and summary["left_out"][0]["why"] == "KERNELS= grades E1 on other kernels"
+    console = Console(record=True, width=200)
+    printer = _render.Printer(console, dict(tree="t", tree_name="mine", device="CPU", drills=[summary]))
+    printer.drill(summary)
+    text = console.export_text()
+    assert "passed 2/2, 1 left out" in text and "the L1 and L3 of solutions (KERNELS=)" in text
+    assert "left out: test_kernels_are_the_trees_own: KERNELS= grades E1 on other kernels" in text
+    assert e1.milestones["test_serves_smollm2_as_generate_does"] in text
+
+
 # --- integrity: what the grade stands on is what it was ------------------------------------
 
 
