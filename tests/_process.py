@@ -130,19 +130,21 @@ def _kill_all(pids):
             pass
 
 
-def kill_descendants(root, keep=(), rounds=20):
-    """Kill every process below `root` (not `root` itself); root=None, in a subreaper
-    (`become_subreaper`): every child of this process not in `keep` (an orphan of ours
-    re-parented here) and all below it. Lists /proc again until nothing is left (a
-    process may fork while we kill its parent). Returns how many were killed."""
+def kill_descendants(roots, keep=(), orphans=False, rounds=20):
+    """Kill every process below the pids `roots` (not the roots themselves) and, with
+    orphans=True in a subreaper (`become_subreaper`), every child of this process not in
+    `keep` (an orphan of ours re-parented here) and all below it. One listing of /proc a
+    round, again until nothing is left (a process may fork while we kill its parent).
+    Returns how many were killed."""
     me, killed = os.getpid(), 0
+    roots = {roots} if isinstance(roots, int) else set(roots)
     for _ in range(rounds):
         with _STARTING:  # the machinery's own children (a grading run in a thread) stay
             keep, parents = set(keep) | set(_CHILDREN), _parents()
-        below, frontier = set(), {root} if root else set()
-        if root is None and any(_SUBREAPER):
-            frontier |= {p for p, parent in parents.items() if parent == me and p not in keep and p != root}
-            below |= frontier - {root}
+        below, frontier = set(), set(roots)
+        if orphans and any(_SUBREAPER):
+            below = {p for p, parent in parents.items() if parent == me and p not in keep | roots}
+            frontier |= below
         while frontier:
             frontier = {p for p, parent in parents.items() if parent in frontier and p not in below}
             below |= frontier
@@ -160,7 +162,7 @@ def kill_leftovers(keep=()):
     process that is not a subreaper."""
     if not any(_SUBREAPER):
         return 0
-    return kill_descendants(None, keep)
+    return kill_descendants((), keep, orphans=True)
 
 
 def exit_name(code):

@@ -380,10 +380,7 @@ def end_strays():
     re-parented to this process (a double fork), keeping the workers themselves and the
     children the machinery started (tests/_process.py)."""
     keep = live_pids()
-    for worker in WORKERS:
-        if worker.proc is not None:
-            kill_descendants(worker.proc.pid, keep)
-    kill_descendants(None, keep)
+    kill_descendants(keep, keep, orphans=True)
 
 
 def _covers(folders, tree):
