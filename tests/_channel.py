@@ -18,6 +18,7 @@ Tensors go one way by sharing and come back as data:
 - From the worker, a reply is plain data (tests/_data.py): a tensor in it is either a
   view of one of the shared storages (an `out=` returned) or its bytes, inline.
 """
+import fcntl
 import mmap
 import os
 import pickle
@@ -133,8 +134,11 @@ class Sharing:
             index = self.by_key[key] = len(self.storages)
             private = as_bytes(t)
             if t.device.type == "cpu":
-                fd = os.memfd_create("drills-shared", os.MFD_CLOEXEC)
+                fd = os.memfd_create("drills-shared", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
                 os.ftruncate(fd, private.numel())
+                # Its size is fixed for good: a worker that truncated it would make our own
+                # mapping of it fault (SIGBUS) when we copy back.
+                fcntl.fcntl(fd, fcntl.F_ADD_SEALS, fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL)
                 shared = _map(fd, private.numel())
                 for lo, hi in _pieces(_source_ranges(storage, private.numel())):
                     shared[lo:hi].copy_(private[lo:hi])
