@@ -19,6 +19,7 @@ Tensors go one way by sharing and come back as data:
   view of one of the shared storages (an `out=` returned) or its bytes, inline.
 """
 import fcntl
+import io
 import mmap
 import os
 import pickle
@@ -206,7 +207,6 @@ class _BytesPickler:
         self.sharing, self.name, self.written = sharing, name, written
 
     def dumps(self, value):
-        import io
         buf = io.BytesIO()
         pickler = pickle.Pickler(buf, protocol=pickle.HIGHEST_PROTOCOL)
         pickler.persistent_id = self._pid
@@ -264,7 +264,6 @@ def unpickle_request(payload, fds):
             storage.untyped_storage(), offset, shape, stride)
 
     def loads(data):
-        import io
         unpickler = pickle.Unpickler(io.BytesIO(data))
         unpickler.persistent_load = load
         return unpickler.load()
@@ -280,7 +279,6 @@ def unpickle_request(payload, fds):
 def pickle_reply(reply, storages):
     """The reply's bytes: plain data, a tensor as ("view", index, ...) when it lies in
     one of the call's storages, else ("bytes", ...) with its contents."""
-    import io
     by_ptr = {s.untyped_storage().data_ptr(): i for i, s in storages.items() if s.numel()}
 
     def pid(obj):

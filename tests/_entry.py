@@ -52,11 +52,11 @@ def _confine_for(drill, tree):
     import tempfile
 
     import _sandbox
+    from _process import scratch_env
     from _manifest import DRILLS
     from _tree import load_drill, tree_path
     scratch = tempfile.mkdtemp(prefix="drills-bench-")
-    for name, sub in (("HOME", "."), ("TMPDIR", "."), ("TRITON_CACHE_DIR", "triton"), ("TRITON_HOME", ".")):
-        os.environ[name] = os.path.normpath(os.path.join(scratch, sub))
+    os.environ.update(scratch_env(scratch))
     tempfile.tempdir = scratch
     for other in DRILLS:
         if other.stem != drill.stem:

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
+from _channel import as_bytes
 from _drill import ELEMENT_SIZE
 
 DTYPES = {name: getattr(torch, name) for name in ELEMENT_SIZE}
@@ -161,16 +162,12 @@ def followed_by(t, guard, device):
 def snapshot(*tensors):
     """Byte copies of the whole storages behind `tensors`, to prove later that a call
     changed none of them (NaN included, guard tails included)."""
-    return [(t, _as_bytes(t).clone()) for t in tensors if isinstance(t, torch.Tensor)]
+    return [(t, as_bytes(t).clone()) for t in tensors if isinstance(t, torch.Tensor)]
 
 
 def changed(snap):
     """Positions in the snapshot of the tensors whose storage is no longer byte-identical."""
-    return [i for i, (t, before) in enumerate(snap) if not torch.equal(_as_bytes(t), before)]
-
-
-def _as_bytes(t):
-    return torch.empty(0, dtype=torch.uint8, device=t.device).set_(t.untyped_storage())
+    return [i for i, (t, before) in enumerate(snap) if not torch.equal(as_bytes(t), before)]
 
 
 # ---------------------------------------------------------------------------

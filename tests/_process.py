@@ -42,6 +42,13 @@ def allowed_env():
     return {k: v for k, v in os.environ.items() if k in ENV_KEEP or k.startswith(ENV_PREFIXES)}
 
 
+def scratch_env(scratch):
+    """Where a process that runs the learner's code keeps what it writes: all of it in its
+    scratch folder (its home, its temporary files, Triton's and CUDA's caches)."""
+    return {name: os.path.normpath(os.path.join(scratch, sub)) for name, sub in (
+        ("HOME", "."), ("TMPDIR", "."), ("TRITON_CACHE_DIR", "triton"), ("TRITON_HOME", "."), ("CUDA_CACHE_PATH", "nv"))}
+
+
 def run_process(cmd, timeout, env=None, pass_fds=(), untrusted=False):
     """(returncode or None if killed at the time limit, stdout, stderr). The child runs in
     a process group of its own, killed whole on timeout and on the grader's Ctrl-C. Its

@@ -52,7 +52,7 @@ import torch
 import _channel
 import _data
 import _sandbox
-from _process import allowed_env, kill_descendants
+from _process import allowed_env, kill_descendants, scratch_env
 
 ISOLATE = os.environ.get("DRILLS_ISOLATE", "1") != "0"
 # Seconds of the learner's code one test (or hypothesis example) may use (DRILLS_TIMEOUT;
@@ -145,10 +145,7 @@ class Worker:
         root = _scratch_root()
         scratch = tempfile.mkdtemp(prefix="worker-", dir=root)
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
-        env = allowed_env()
-        for name, sub in (("HOME", "."), ("TMPDIR", "."), ("TRITON_CACHE_DIR", "triton"), ("TRITON_HOME", "."),
-                          ("CUDA_CACHE_PATH", "nv")):
-            env[name] = os.path.normpath(os.path.join(scratch, sub))
+        env = {**allowed_env(), **scratch_env(scratch)}
         env["HF_HUB_OFFLINE"] = "1"
         # One thread: Landlock below ABI 8 covers only the thread that asks, so no thread pool
         # may start before the worker is confined (OpenBLAS and OpenMP start theirs at import).
