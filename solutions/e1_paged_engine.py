@@ -221,6 +221,62 @@ def _forward(model, caches, step, kernels):
     return model.lm_head(inner.norm(h[step.last]))
 
 
+class DecodeGraphs:
+    """Decode steps replayed as CUDA graphs, on a GPU (nano-vllm's `capture_cudagraph`,
+    vLLM's CUDA-graph mode). A decode step launches a few hundred small kernels; sent one
+    by one from Python they take longer than the GPU takes to run them. A graph records
+    one step's launches once per batch size and replays them all with one call.
+
+    A replay reads its inputs where the capture found them, so each step is copied into
+    fixed buffers; the batch is padded up to the next captured size with rows that write
+    nothing (slot -1) and attend to one cached token, and their logits are dropped."""
+
+    def __init__(self, model, caches, kernels, max_seqs, max_blocks):
+        self.model, self.caches, self.kernels = model, caches, kernels
+        self.sizes = [s for s in (1, 2, 4, 8, *range(16, max_seqs, 16)) if s < max_seqs] + [max_seqs]
+        device, n = caches[0][0].device, max_seqs
+        self.inputs = _Namespace(
+            ids=torch.zeros(n, dtype=torch.int64, device=device),
+            positions=torch.zeros(n, dtype=torch.int64, device=device),
+            slot_mapping=torch.full((n,), -1, dtype=torch.int64, device=device),
+            query_start_loc=torch.arange(n + 1, dtype=torch.int32, device=device),  # one token a row, always
+            seq_lens=torch.ones(n, dtype=torch.int32, device=device),
+            block_table=torch.zeros(n, max_blocks, dtype=torch.int32, device=device),
+            last=torch.arange(n, device=device))
+        self.graphs, self.pool = {}, None
+
+    def __call__(self, blocks, batch):
+        """Logits of a step in which every request brings one token."""
+        rows, size = len(batch), next(s for s in self.sizes if s >= len(batch))
+        step, x = _prepare(blocks, batch, "cpu"), self.inputs
+        pad = size - rows
+        x.ids[:size].copy_(torch.cat([step.ids, step.ids.new_zeros(pad)]))
+        x.positions[:size].copy_(torch.cat([step.positions, step.positions.new_zeros(pad)]))
+        x.slot_mapping[:size].copy_(torch.cat([step.slot_mapping, step.slot_mapping.new_full((pad,), -1)]))
+        x.seq_lens[:size].copy_(torch.cat([step.seq_lens, step.seq_lens.new_ones(pad)]))
+        table = x.block_table.new_zeros((size, x.block_table.shape[1]), device="cpu")  # padding reads block 0
+        table[:rows, :step.block_table.shape[1]] = step.block_table
+        x.block_table[:size].copy_(table)
+        if size not in self.graphs:
+            self.graphs[size] = self._capture(size)
+        graph, logits = self.graphs[size]
+        graph.replay()
+        return logits[:rows]
+
+    def _capture(self, size):
+        x = self.inputs
+        step = _Namespace(**{name: t[:size] for name, t in vars(x).items()})
+        step.query_start_loc = x.query_start_loc[:size + 1]
+        # Run it once first: Triton compiles a kernel at its first launch, which a
+        # capture must not see. Both runs write the same K/V into the same slots.
+        _forward(self.model, self.caches, step, self.kernels)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self.pool):  # one memory pool for every size
+            logits = _forward(self.model, self.caches, step, self.kernels)
+        self.pool = graph.pool()
+        return graph, logits
+
+
 def _eos_ids(model):
     eos = getattr(model.generation_config, "eos_token_id", None)
     eos = model.config.eos_token_id if eos is None else eos
@@ -231,6 +287,9 @@ def generate(model, prompts, max_new_tokens, *, block_size=16, num_blocks=None, 
              kernels=None):
     """Greedy decoding of every prompt through the paged engine; per prompt, the new
     tokens only (what model.generate(..., do_sample=False) gives, EOS included)."""
+    # Graphs only on a GPU and with the tree's own kernels: kernels handed in may look at
+    # their arguments on the host (a tracer, a checker), which a replay would skip.
+    use_graphs = kernels is None
     kernels = kernels or _tree_kernels()
     counts = [max_new_tokens] * len(prompts) if isinstance(max_new_tokens, int) else list(max_new_tokens)
     if len(counts) != len(prompts) or any(n < 1 for n in counts) or any(len(p) < 1 for p in prompts):
@@ -255,13 +314,19 @@ def generate(model, prompts, max_new_tokens, *, block_size=16, num_blocks=None, 
     blocks, eos = BlockManager(num_blocks, block_size), _eos_ids(model)
     requests = [Request(i, p, n) for i, (p, n) in enumerate(zip(prompts, counts))]
     sched = Scheduler(blocks, max_num_batched_tokens, requests)
+    graphs = None
+    if use_graphs and like["device"].type == "cuda":
+        graphs = DecodeGraphs(model, caches, kernels, len(prompts), max(need))
     while sched.waiting or sched.running:
         batch = sched.schedule()
         if not batch:
             raise RuntimeError(f"the scheduler made no progress: {blocks.num_free_blocks} of {num_blocks} blocks "
                                f"free, {len(sched.waiting)} waiting, {len(sched.running)} running")
-        step = _prepare(blocks, batch, like["device"])
-        next_ids = _forward(model, caches, step, kernels).argmax(dim=-1).tolist()
+        if graphs and all(n == 1 for _, n in batch):
+            logits = graphs(blocks, batch)
+        else:
+            logits = _forward(model, caches, _prepare(blocks, batch, like["device"]), kernels)
+        next_ids = logits.argmax(dim=-1).tolist()
         for (req, n), token in zip(batch, next_ids):
             req.computed += n
             if req.computed < len(req.tokens):

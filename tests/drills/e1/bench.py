@@ -111,14 +111,15 @@ def decode_step_times(module, model, context, num_seqs, device="cuda"):
 def measure(module, device="cuda", params=_PARAMS):
     """One timed run each (a whole generate is seconds: no repeats), after a warm-up with
     the same workload (the first run compiles the kernels for every shape it meets): the
-    engine's and transformers' tokens/s, and the engine's decode step,
-    (T(new) - T(1)) / (new - 1), against its floor (bytes over the ceiling)."""
-    import time
-
+    engine's tokens/s as it serves (kernels=None: the reference replays decode steps as
+    CUDA graphs) and eager (kernels= handed in: no graphs), transformers' batched
+    `generate` and its continuous batching (`generate_batch`), and the engine's decode
+    step, (T(new) - T(1)) / (new - 1), against its floor (bytes over the ceiling)."""
     from _bench import copy_ceiling_gbps
     model = bench_model(device)
     gen = torch.Generator().manual_seed(1)
     prompts = torch.randint(1, MODEL["vocab"], (params["num_seqs"], params["prompt"]), generator=gen)
+    tokens = params["num_seqs"] * params["new"]
 
     def timed(fn):
         torch.cuda.synchronize()
@@ -127,9 +128,9 @@ def measure(module, device="cuda", params=_PARAMS):
         torch.cuda.synchronize()
         return time.perf_counter() - start
 
-    def engine(new):
+    def engine(new, kernels=None):
         return lambda: module.generate(model, prompts.tolist(), new, block_size=16,
-                                       max_num_batched_tokens=params["budget"])
+                                       max_num_batched_tokens=params["budget"], kernels=kernels)
 
     def hf(new):
         def run():
@@ -141,14 +142,48 @@ def measure(module, device="cuda", params=_PARAMS):
     timed(engine(params["new"])), timed(hf(4))  # compile and warm
     full, one = timed(engine(params["new"])), timed(engine(1))
     theirs = timed(hf(params["new"]))
-    tokens = params["num_seqs"] * params["new"]
+    eager = None
+    if hasattr(module, "_tree_kernels"):  # the same kernels, handed in: the engine's eager path
+        own = module._tree_kernels()
+        eager = timed(engine(params["new"], own))
     step = (full - one) / (params["new"] - 1)
     floor = BENCH[0].bytes / (copy_ceiling_gbps() * 1e9)
     mean_context = params["prompt"] + params["new"] // 2
-    return dict(engine_tokens_per_s=round(tokens / full), transformers_tokens_per_s=round(tokens / theirs),
-                speedup=round(theirs / full, 2), engine_s=round(full, 2), transformers_s=round(theirs, 2),
-                prefill_s=round(one, 3), decode_step_ms=round(step * 1e3, 2), decode_floor_ms=round(floor * 1e3, 2),
-                decode_forward=decode_step_times(module, model, mean_context, params["num_seqs"], device))
+    result = dict(engine_tokens_per_s=round(tokens / full), transformers_tokens_per_s=round(tokens / theirs),
+                  speedup=round(theirs / full, 2), engine_s=round(full, 2), transformers_s=round(theirs, 2),
+                  prefill_s=round(one, 3), decode_step_ms=round(step * 1e3, 2),
+                  decode_floor_ms=round(floor * 1e3, 2))
+    if eager is not None:
+        result.update(eager_tokens_per_s=round(tokens / eager), eager_speedup=round(theirs / eager, 2))
+    result.update(continuous_batching(model, prompts, params["new"], timed))
+    result["decode_forward"] = decode_step_times(module, model, mean_context, params["num_seqs"], device)
+    return result
+
+
+def continuous_batching(model, prompts, new, timed):
+    """transformers' own continuous batching (`generate_batch`, paged attention), the
+    call a transformers user would pick over `generate` to serve many requests: its
+    tokens/s on the same prompts, after a warm-up run; an `error` when this version of
+    transformers has none or it fails."""
+    from transformers import GenerationConfig
+    if not hasattr(model, "generate_batch"):
+        return dict(continuous_batching_error="this transformers has no generate_batch")
+    config = GenerationConfig(max_new_tokens=new, min_new_tokens=new, do_sample=False, eos_token_id=None,
+                              pad_token_id=0)
+    made = []
+
+    def run():
+        with torch.no_grad():
+            out = model.generate_batch(prompts.tolist(), generation_config=config, progress_bar=False)
+        made.append(sum(len(o.generated_tokens) for o in out.values()))
+    try:
+        timed(run)  # warm: compiles, captures its graphs
+        seconds = timed(run)
+    except Exception as error:  # a baseline that does not run is reported, not fatal
+        return dict(continuous_batching_error=f"{type(error).__name__}: {str(error)[:200]}")
+    return dict(continuous_batching_tokens_per_s=round(made[-1] / seconds), continuous_batching_s=round(seconds, 2),
+                continuous_batching_tokens=made[-1])
+
 
 # ---------------------------------------------------------------------------
 # `make chat`: the engine serving SmolLM2-135M-Instruct on the CPU, against generate
