@@ -268,11 +268,26 @@ def compared(theirs_us, ours_us):
     return "same speed" if factor == "1.00" else f"{factor}× {'faster' if ratio > 1 else 'slower'}"
 
 
+def duration(us):
+    """A time in the unit that reads best: "257.4 µs", "12.44 ms", "2.15 s"."""
+    if us < 1e3:
+        return f"{us:.1f} µs"
+    return f"{us / 1e3:.2f} ms" if us < 1e6 else f"{us / 1e6:.2f} s"
+
+
+def _rate(case):
+    """(the key of a row's rate, its unit): GB/s, TFLOP/s for a compute-bound case, or the
+    unit a self-timed case names (tokens/s)."""
+    if case.get("unit"):
+        return "rate", case["unit"]
+    return ("tflops", "TFLOP/s") if case.get("compute_bound") else ("gbps", "GB/s")
+
+
 def _bench_table(console, grade):
     console.print(f"[bold]bandwidth[/] · copy ceiling {grade['ceiling_gbps']:.0f} GB/s "
                   f"(1 GiB device-to-device copy, measured here)")
     table = Table(header_style="bold", box=None, padding=(0, 2))
-    for column in ("drill", "case", "µs", "rate", "of ceiling", "tier", "baseline", "its rate", "ours is"):
+    for column in ("drill", "case", "time", "rate", "of ceiling", "tier", "baseline", "its rate", "ours is"):
         table.add_column(column, justify="right" if column not in ("drill", "case", "tier", "baseline") else "left")
     for s in grade["drills"]:
         bench = cleaned(s.get("bench"))
@@ -283,12 +298,13 @@ def _bench_table(console, grade):
             continue
         for case in bench["cases"]:
             ours = case["ours"]
-            rate, unit = ("tflops", "TFLOP/s") if case.get("compute_bound") else ("gbps", "GB/s")
+            rate, unit = _rate(case)
             for i, (name, base) in enumerate(case["baselines"].items()):
                 first = i == 0
                 cells = (s["id"].upper() if first else "", case["name"] if first else "",
-                         f"{ours['us']:.1f}" if first else "", f"{ours[rate]:.0f} {unit}" if first else "",
-                         "" if not first or case.get("compute_bound") else f"{100 * ours['of_ceiling']:.1f} %",
+                         duration(ours["us"]) if first else "", f"{ours[rate]:.0f} {unit}" if first else "",
+                         "" if not first or "of_ceiling" not in ours or case.get("compute_bound")
+                         else f"{100 * ours['of_ceiling']:.1f} %",
                          case["tier"] if first else "", name, f"{base[rate]:.0f} {unit}",
                          compared(base["us"], ours["us"]))
                 table.add_row(*map(Text, cells))

@@ -7,14 +7,16 @@ its manifest entry `DRILL`, built from its parts:
   reference.py  transformers' generate and logits, the page's scheduling rule (simulate)
   checks.py     the checks of generate and of the block manager, and their diagnosis
   mistakes.py   the pitfalls and mistakes, planted as edits (`PLANTED`)
-  bench.py      the 1 B-parameter serving workload against transformers' generate, and
-                `make chat` (the learner's engine serving SmolLM2, checked against generate)
+  bench.py      the 1 B-parameter serving workload against transformers' generate (the
+                grade's row: bench_rows), and `make chat` (the learner's engine serving
+                SmolLM2, checked against generate)
   page.py       the page checks
 
 There is no traffic part: the engine's bytes are its kernels', which L1 and L3 count.
 """
 from _drill import Drill
 
+from .bench import bench_rows
 from .cases import (FIXTURE_CHECKS, PRELOAD, TEST_SHAPES, WORKED_EXAMPLE, WRITES, EngineCase, Recorder, block_ops,
                     engine_case, example_case, kernels_tree, random_prompts, spy_on, tiny_model)
 from .checks import check_generate, explain, run_generate, steps_of
@@ -37,7 +39,8 @@ DRILL = Drill(
     api=("generate", "replay_block_manager"),
     torch_only=("replay_block_manager",),
     test_shapes=TEST_SHAPES,
-    bench=(),  # one generate() takes seconds: `cd tests && python -m drills.e1.bench` measures it (BENCHMARKS.md)
+    bench=(),  # one generate() takes seconds: no cases to repeat; the grade times one run of each (bench_run),
+    bench_run=bench_rows,  # `cd tests && python -m drills.e1.bench` everything else (BENCHMARKS.md)
     page_checks=PAGE_CHECKS,
     fixture_checks=FIXTURE_CHECKS,
 )
