@@ -99,10 +99,17 @@ class BlockManager:
         width = max([len(r) for r in rows] + [1])
         return torch.tensor([r + [-1] * (width - len(r)) for r in rows], dtype=torch.int32).view(len(rows), width)
 
+    def owned(self, seq_id):
+        """seq_id's blocks, in token order."""
+        return list(self._blocks[seq_id])
+
+    def slot(self, seq_id, position):
+        """A token's slot: its block * block_size + its offset in the block."""
+        return self._blocks[seq_id][position // self.block_size] * self.block_size + position % self.block_size
+
     def slot_mapping(self, seq_id, positions):
-        """int64 slots of `positions` of seq_id: block * block_size + offset in the block."""
-        blocks, size = self._blocks[seq_id], self.block_size
-        return torch.tensor([blocks[p // size] * size + p % size for p in map(int, positions)], dtype=torch.int64)
+        """int64 slots of `positions` of seq_id."""
+        return torch.tensor([self.slot(seq_id, p) for p in map(int, positions)], dtype=torch.int64)
 
 
 # ---------------------------------------------------------------------------
@@ -234,39 +241,36 @@ class DecodeGraphs:
     def __init__(self, model, caches, kernels, max_seqs, max_blocks):
         self.model, self.caches, self.kernels = model, caches, kernels
         self.sizes = [s for s in (1, 2, 4, 8, *range(16, max_seqs, 16)) if s < max_seqs] + [max_seqs]
-        device, n = caches[0][0].device, max_seqs
-        self.inputs = _Namespace(
-            ids=torch.zeros(n, dtype=torch.int64, device=device),
-            positions=torch.zeros(n, dtype=torch.int64, device=device),
-            slot_mapping=torch.full((n,), -1, dtype=torch.int64, device=device),
-            query_start_loc=torch.arange(n + 1, dtype=torch.int32, device=device),  # one token a row, always
-            seq_lens=torch.ones(n, dtype=torch.int32, device=device),
-            block_table=torch.zeros(n, max_blocks, dtype=torch.int32, device=device),
-            last=torch.arange(n, device=device))
+        n, self.width, device = max_seqs, max_blocks, caches[0][0].device
+        # Every input in one int64 buffer (L1 and L3 take int64 indices), so that a
+        # step's inputs reach the GPU in one copy: ids, positions, slots, seq_lens and
+        # the block table, n rows each.
+        self.packed = torch.zeros(n * (4 + max_blocks), dtype=torch.int64, device=device)
+        ids, positions, slots, seq_lens, table = self.packed.split([n, n, n, n, n * max_blocks])
+        self.inputs = dict(ids=ids, positions=positions, slot_mapping=slots, seq_lens=seq_lens,
+                           block_table=table.view(n, max_blocks), last=torch.arange(n, device=device),
+                           query_start_loc=torch.arange(n + 1, device=device))  # one token a row
         self.graphs, self.pool = {}, None
 
     def __call__(self, blocks, batch):
         """Logits of a step in which every request brings one token."""
-        rows, size = len(batch), next(s for s in self.sizes if s >= len(batch))
-        step, x = _prepare(blocks, batch, "cpu"), self.inputs
-        pad = size - rows
-        x.ids[:size].copy_(torch.cat([step.ids, step.ids.new_zeros(pad)]))
-        x.positions[:size].copy_(torch.cat([step.positions, step.positions.new_zeros(pad)]))
-        x.slot_mapping[:size].copy_(torch.cat([step.slot_mapping, step.slot_mapping.new_full((pad,), -1)]))
-        x.seq_lens[:size].copy_(torch.cat([step.seq_lens, step.seq_lens.new_ones(pad)]))
-        table = x.block_table.new_zeros((size, x.block_table.shape[1]), device="cpu")  # padding reads block 0
-        table[:rows, :step.block_table.shape[1]] = step.block_table
-        x.block_table[:size].copy_(table)
+        n, width = len(self.inputs["ids"]), self.width
+        ids, positions, slots, seq_lens, table = [0] * n, [0] * n, [-1] * n, [1] * n, [0] * (n * width)
+        for i, (req, _) in enumerate(batch):  # the rows past the batch stay padding (block 0)
+            p, owned = req.computed, blocks.owned(req.id)
+            ids[i], positions[i], slots[i], seq_lens[i] = req.tokens[p], p, blocks.slot(req.id, p), p + 1
+            table[i * width:i * width + len(owned)] = owned
+        self.packed.copy_(torch.tensor(ids + positions + slots + seq_lens + table))
+        size = next(s for s in self.sizes if s >= len(batch))
         if size not in self.graphs:
             self.graphs[size] = self._capture(size)
         graph, logits = self.graphs[size]
         graph.replay()
-        return logits[:rows]
+        return logits[:len(batch)]
 
     def _capture(self, size):
-        x = self.inputs
-        step = _Namespace(**{name: t[:size] for name, t in vars(x).items()})
-        step.query_start_loc = x.query_start_loc[:size + 1]
+        step = _Namespace(**{name: t[:size + 1 if name == "query_start_loc" else size]
+                             for name, t in self.inputs.items()})
         # Run it once first: Triton compiles a kernel at its first launch, which a
         # capture must not see. Both runs write the same K/V into the same slots.
         _forward(self.model, self.caches, step, self.kernels)
@@ -322,7 +326,7 @@ def generate(model, prompts, max_new_tokens, *, block_size=16, num_blocks=None, 
         if not batch:
             raise RuntimeError(f"the scheduler made no progress: {blocks.num_free_blocks} of {num_blocks} blocks "
                                f"free, {len(sched.waiting)} waiting, {len(sched.running)} running")
-        if graphs and all(n == 1 for _, n in batch):
+        if graphs and all(n == 1 for _, n in batch):  # a decode step (or prompts' 1-token chunks)
             logits = graphs(blocks, batch)
         else:
             logits = _forward(model, caches, _prepare(blocks, batch, like["device"]), kernels)
