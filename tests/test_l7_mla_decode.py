@@ -320,7 +320,8 @@ def _bad_decodes(device):
                                                dict(scale=scale)),
         "seq_len -1": ((q_nope, q_pe, cache, table, lens.clone().fill_(-1)), dict(scale=scale)),
         "seq_len beyond the block table": ((q_nope, q_pe, cache, table,
-                                            lens.clone().fill_(table.shape[1] * cache.shape[1] + 1)), dict(scale=scale)),
+                                            lens.clone().fill_(table.shape[1] * cache.shape[1] + 1)),
+                                           dict(scale=scale)),
         "block number past the cache": ((q_nope, q_pe, cache, table.clone().fill_(cache.shape[0]), lens),
                                         dict(scale=scale)),
     }

@@ -265,9 +265,9 @@ def check_worked_example_numbers(device):
 def check_decode_case_poisons_what_no_sequence_owns(device):
     for garbage in ("spare", "huge"):
         case = decode_case([0, 5, 17], block_size=16, tail="nan", garbage=garbage, device=device, seed=3)
-        owned = owned_columns(case.seq_lens.cpu(), 16, 3)
         table = case.block_table.cpu()
-        assert (table[~owned] == HUGE).all() if garbage == "huge" else \
+        owned = owned_columns(case.seq_lens.cpu(), 16, table.shape[1])
+        assert bool((table[~owned] == HUGE).all()) if garbage == "huge" else \
             bool(torch.isnan(case.kv_cache[table[~owned].long()]).all())
         assert bool(torch.isnan(case.kv_cache[int(table[1, 0]), 5:]).all())  # the tail of sequence 1's block
         assert sum(len(r) for r in case.rows()) == 22 and bool(torch.isfinite(torch.cat(case.rows())).all())
@@ -275,8 +275,8 @@ def check_decode_case_poisons_what_no_sequence_owns(device):
 
 def check_query_layouts(device):
     for layout in Q_LAYOUTS:
-        case = decode_case([3], num_heads=3, rank=32, rope=16, q_layout=layout, device=device)
-        assert case.q_nope.shape == (1, 3, 32) and case.q_pe.shape == (1, 3, 16)
+        case = decode_case([3, 4], num_heads=3, rank=32, rope=16, q_layout=layout, device=device)
+        assert case.q_nope.shape == (2, 3, 32) and case.q_pe.shape == (2, 3, 16)
         assert case.q_nope.stride(2) == 1 and case.q_pe.stride(2) == 1
         assert case.q_nope.is_contiguous() == (layout == "separate")
 

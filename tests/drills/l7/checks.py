@@ -18,7 +18,8 @@ from .reference import LSE_TOLERANCE, TOLERANCE
 def _describe_write(case):
     num_tokens, rank = case.kv_c.shape
     return (f"case: T={num_tokens} tokens ({int((case.slot_mapping < 0).sum())} padding), R={rank}, "
-            f"P={case.k_pe.shape[1]}, block_size={case.block_size}, dtype={str(case.kv_c.dtype).replace('torch.', '')}, "
+            f"P={case.k_pe.shape[1]}, block_size={case.block_size}, "
+            f"dtype={str(case.kv_c.dtype).replace('torch.', '')}, "
             f"kv_c row stride={case.kv_c.stride(0)}, k_pe row stride={case.k_pe.stride(0)}, "
             f"slots={case.slot_mapping.tolist()}")
 
@@ -30,7 +31,8 @@ def check_write(case):
     try:
         _explain_write(case, case.kv_cache.storage, want)
         if not same_bits(case.inputs, case.inputs_initial):
-            raise Mismatch("kv_c/k_pe were modified: concat_and_cache_mla must only read them\n  " + _describe_write(case))
+            raise Mismatch("kv_c/k_pe were modified: concat_and_cache_mla must only read them\n  "
+                           + _describe_write(case))
     except Mismatch as error:
         names, undecided = known_mistakes(PLANTED, lambda module: (rerun_write(module, case),),
                                           (case.kv_cache.storage,))
@@ -153,8 +155,9 @@ def _spare_rows_past_the_end(case, out):
     if bool(after[:spare * rank].all()) and tile > spare:
         raise Mismatch(f"{spare} head row(s) of {rank} values were written right after the end of out: H = "
                        f"{num_heads} heads in tiles of {tile} leave {spare} spare row(s) in the last tile, and their "
-                       f"stores were not masked by head < H; they also land in the next sequence's rows "
-                       f"(pitfall:head_tile_unmasked, {SECTION})\n  {describe_decode(case)}", ["head_tile_unmasked"])
+                       f"stores were not masked by head < H (in every sequence but the last they land in the next "
+                       f"one's rows) (pitfall:head_tile_unmasked, {SECTION})\n  {describe_decode(case)}",
+                       ["head_tile_unmasked"])
 
 
 def _non_finite(case, o, s, want_o, want_s, bad, atol, rtol):
@@ -199,6 +202,15 @@ def _explain(case, o, s, want_o, want_s, wrong, b, h):
             return tag, f"{text}; so does every other output (pitfall:{tag}, {SECTION})"
         if bool(far[b, h]) and bool(same[b, h]) and reproduces(o, want_o, alt_o, atol, rtol, this):
             return None, f"{text}, but other outputs do not fit that story, so it may be something else ({SECTION})"
+    out_right = not bool((~torch.isclose(o, want_o, atol=atol, rtol=rtol).all(-1)).any())
+    finite = torch.isfinite(want_s) & (want_s.abs() > 0.1)
+    if out_right and bool(finite.any()):
+        ratio = (s[finite] / want_s[finite]).median().item()
+        base2 = abs(ratio - 1.4426950408889634) < 0.01
+        return None, (f"every output is right, only lse differs (got/expected ≈ {ratio:.4f}"
+                      + (", log2 e: a base-2 log-sum-exp; lse is the natural log, (m + log2 l) · ln 2 when the "
+                         "softmax runs in base 2" if base2 else "") + "): lse is log Σ exp(score), natural log, "
+                      "with the scale applied")
     return None, ("it matches neither the usual scale nor a score without its rotary part; check the two products "
                   "(q_nope against the first R columns, q_pe against the last P), the chunk bounds and the merge")
 

@@ -73,16 +73,17 @@ MISTAKES = {
         ("end = tl.minimum(start + chunk, seq_len)", "end = tl.minimum(start + chunk + TILE, seq_len)"),
     )),
     "direct_store_forgotten": Mistake(shows="never written", edits=(
-        (_DIRECT_STORE, "part.to(out_ptr.dtype.element_ty), mask=c_mask & (heads < 0)[:, None])  # planted: never stored"),
+        (_DIRECT_STORE, "part.to(out_ptr.dtype.element_ty), mask=c_mask & (heads < 0)[:, None])  # planted: none"),
     )),
 }
 if _env.INTERPRET:  # only the interpreter's counted bytes show it
     # Half of every head tile left empty: twice the programs, each reading the latent rows.
     MISTAKES["head_tile_half_empty"] = Mistake(shows="head tile", edits=(
-        ("heads = head_tile * BLOCK_H + tl.arange(0, BLOCK_H)",
-         "heads = head_tile * (BLOCK_H // 2) + tl.arange(0, BLOCK_H)"),
+        ("heads = head_tile * BLOCK_H + tl.arange(0, BLOCK_H)\n    c_cols",
+         "heads = head_tile * (BLOCK_H // 2) + tl.arange(0, BLOCK_H)\n    c_cols"),
         ("head_ok = heads < NUM_HEADS", "head_ok = (heads < NUM_HEADS) & (tl.arange(0, BLOCK_H) < BLOCK_H // 2)"),
-        ("mla_decode_kernel[(triton.cdiv(num_heads, block_h),", "mla_decode_kernel[(triton.cdiv(num_heads, block_h // 2),"),
+        ("mla_decode_kernel[(triton.cdiv(num_heads, block_h),",
+         "mla_decode_kernel[(triton.cdiv(num_heads, block_h // 2),"),
     ))
 
 

@@ -22,7 +22,7 @@ def _row_layout(rank, rope):
     """The latent row as one line of columns, and which of them each product reads."""
     c, pe = _cells("c", rank), _cells("pe", rope)
     row = Text.assemble("| ", (c, "bold cyan"), " | ", (pe, "bold magenta"), " |")
-    under = Text.assemble("  ", ("└" + "─" * max(0, len(c) - 2) + "┘", "cyan"), "   ",
+    under = Text.assemble("    ", ("└" + "─" * max(0, len(c) - 2) + "┘", "cyan"), "   ",
                           ("└" + "─" * max(0, len(pe) - 2) + "┘", "magenta"))
     score = Text.assemble("  score: ", ("q_nope · c", "cyan"), " + ", ("q_pe · k_pe", "magenta"),
                           f"   (all R + P = {rank + rope} columns, times scale)")
@@ -99,8 +99,9 @@ def _draw_decode(module, console):
     console.print(table)
     wrong_scale = worked_example_numbers(scale=(len(ex["kv_c"][0]) + len(ex["k_pe"][0])) ** -0.5)
     no_rope = worked_example_numbers(rope=False)
-    console.print(f"[dim]with 1/sqrt(R + P) instead of the scale: h0 out {_fmt(round(v, 4) for v in wrong_scale['out'][0].tolist())}; "
-                  f"without q_pe · k_pe: h0 out {_fmt(round(v, 4) for v in no_rope['out'][0].tolist())}[/]")
+    h0 = lambda numbers: _fmt(round(v, 4) for v in numbers["out"][0].tolist())  # noqa: E731
+    console.print(f"[dim]the pitfalls on this example: with 1/sqrt(R + P) instead of the scale, h0 out "
+                  f"{h0(wrong_scale)}; without q_pe · k_pe, h0 out {h0(no_rope)}[/]")
 
 
 def picture(module, console):
