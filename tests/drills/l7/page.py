@@ -7,6 +7,7 @@ import math
 import torch
 
 import _env
+from _bench import COMPUTE_BOUND
 from _pages import section, self_test
 from _traffic import check_page_line
 from _tree import load_drill
@@ -43,6 +44,9 @@ def check_bench_bounds(text):
            f"要 {us(big.flops, MEASURED_TFLOPS * 1e12):.1f} µs")
     assert us(small.flops, DATASHEET_TFLOPS * 1e12) < 9.3 and "不到 9.3 µs" in sec
     assert us(big.flops, MEASURED_TFLOPS * 1e12) > us(big.bytes, COPY_TBPS * 1e12)
+    # the grade's split between GB/s and TFLOP/s (tests/_bench.py): H = 16 under it, H = 128 over
+    assert small.flops < COMPUTE_BOUND * small.bytes and big.flops > COMPUTE_BOUND * big.bytes
+    _lines(sec, f"每字节超过 {COMPUTE_BOUND} 次运算的用例当作受算力限制")
 
 
 def check_traffic_line(text):
