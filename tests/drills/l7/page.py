@@ -10,7 +10,7 @@ import _env
 from _bench import COMPUTE_BOUND
 from _pages import section, self_test
 from _traffic import check_page_line
-from _tree import load_drill
+from _tree import ROOT, load_drill
 
 from .bench import BENCH, mla_bytes
 from .cases import WORKED_EXAMPLE, worked_example_decode_case, worked_example_numbers
@@ -304,6 +304,35 @@ def check_split_rule(text):
 
 
 # ---------------------------------------------------------------------------
+# §12: the walkthrough's prose names reference lines by number; they must still be those lines
+
+WALKTHROUGH_LINES = {  # line: what the prose says is there
+    45: "token = tl.program_id(0).to(tl.int64)", 46: "slot = tl.load(slot_mapping_ptr + token).to(tl.int64)",
+    50: "keep_c = c_cols < tl.where(slot >= 0, R, 0)", 54: "row = kv_cache_ptr + slot * (R + P)",
+    80: "head_tile = tl.program_id(0)", 86: "chunk = tl.cdiv(tl.cdiv(seq_len, NUM_SPLITS), TILE) * TILE",
+    95: "head_ok = heads < NUM_HEADS", 107: "acc = tl.zeros([BLOCK_H, R_PAD], tl.float32)",
+    114: "row = (block.to(tl.int64) * BLOCK_SIZE", 116: "c = tl.load(kv_cache_ptr + row[:, None] + c_cols[None, :],",
+    124: "s = tl.dot(q_nope, tl.trans(c)", 125: "acc=s", 131: "tl.dot(p.to(c.dtype), c,",
+    169: "s_max = tl.where(s_max == float(\"-inf\"), 0.0, s_max)", 170: "tl.exp(s - s_max[:, None])",
+    176: "acc += tl.where(w[:, None] > 0", 177: "out = acc / tl.where(total > 0, total, 1.0)",
+    180: "s_max + tl.log(total)", 221: "_check_decode_inputs(",
+    237: "mla_decode_kernel[(triton.cdiv(num_heads, block_h)",
+    245: "if num_splits > 1:", 255: "def _check_write_inputs(",
+}
+
+
+def check_walkthrough_lines(text):
+    """§12's prose says what stands on reference lines 45, 50, 114, 131, 169, ...: it still does."""
+    lines = (ROOT / "solutions" / "l7_mla_decode.py").read_text().splitlines()
+    for number, snippet in WALKTHROUGH_LINES.items():
+        assert snippet in lines[number - 1], f"solutions/l7_mla_decode.py:{number} no longer holds {snippet!r}"
+    sec = section(text, 12)
+    for cited in ("第 45–46 行", "第 50–51 行", "第 80–83 行", "第 86–88 行", "第 92–100 行", "第 113–114 行",
+                  "第 124–126 行", "第 131 行", "第 169 行", "第 176 行", "第 180 行", "第 255 行以后"):
+        assert cited in sec
+
+
+# ---------------------------------------------------------------------------
 # §11: the self-tests (each answer recomputed)
 
 def check_self_test_bytes(text):
@@ -314,6 +343,7 @@ def check_self_test_bytes(text):
     _lines(t, f"2 × 8 × 128 × 80 × 2 = {llama70} 字节（{llama70 // 1024} KiB）",
            f"DeepSeek-V3 是 {v3} 字节",
            f"是它的 {llama70 / v3:.2f} 倍")
+    assert abs(70 / 671 - 0.1) < 0.01 and "十分之一左右" in t  # 70 B parameters against 671 B
 
 
 def check_self_test_intensity(text):
@@ -378,6 +408,6 @@ def check_self_test_bytes_moved(text):
 
 PAGE_CHECKS = (check_traffic_line, check_bench_bounds, check_bytes_per_token, check_absorption_example,
                check_example_on_the_reference, check_example_mistakes, check_scale, check_value_traffic,
-               check_roofline, check_kernel_shape, check_split_rule, check_self_test_bytes, check_self_test_intensity,
-               check_self_test_scale, check_self_test_int32, check_self_test_head_tiles, check_self_test_fp8_row,
-               check_self_test_bytes_moved)
+               check_roofline, check_kernel_shape, check_split_rule, check_walkthrough_lines, check_self_test_bytes,
+               check_self_test_intensity, check_self_test_scale, check_self_test_int32, check_self_test_head_tiles,
+               check_self_test_fp8_row, check_self_test_bytes_moved)
