@@ -176,9 +176,9 @@ def _non_finite(case, o, s, want_o, want_s, bad, atol, rtol):
                         f"0/0 is NaN; an empty sequence's answer is out = 0, lse = -inf "
                         f"(pitfall:empty_sequence_nan, {SECTION})\n  {describe_decode(case)}", ["empty_sequence_nan"])
     return Mismatch(f"{head}. Where it can come from: NaN read from a block no sequence owns, from the unused end of "
-                    f"a last block or through a block-table entry past the sequence's last block (they hold NaN or "
-                    f"{case.garbage} numbers here), a chunk or sequence with no token left as 0/0, or -inf - (-inf) in "
-                    f"the merge\n  {describe_decode(case)}")
+                    f"a last block or through a block-table entry past the sequence's last block (here "
+                    f"{'2147480000' if case.garbage == 'huge' else 'the numbers of NaN blocks'}), a chunk or sequence "
+                    f"with no token left as 0/0, or -inf - (-inf) in the merge\n  {describe_decode(case)}")
 
 
 def _explain(case, o, s, want_o, want_s, wrong, b, h):
@@ -203,6 +203,11 @@ def _explain(case, o, s, want_o, want_s, wrong, b, h):
         if bool(far[b, h]) and bool(same[b, h]) and reproduces(o, want_o, alt_o, atol, rtol, this):
             return None, f"{text}, but other outputs do not fit that story, so it may be something else ({SECTION})"
     out_right = not bool((~torch.isclose(o, want_o, atol=atol, rtol=rtol).all(-1)).any())
+    lse_wrong = ~torch.isclose(s, want_s, atol=LSE_TOLERANCE[0], rtol=LSE_TOLERANCE[1])
+    if out_right and bool(torch.isinf(want_s)[lse_wrong].all()):
+        return None, (f"every output is right; the lse of the empty sequences is not: a sequence of length 0 has "
+                      f"lse = -inf, the log of an empty sum (got {float(s[lse_wrong][0]):g}), so that a merge with it "
+                      f"returns the other side unchanged")
     finite = torch.isfinite(want_s) & (want_s.abs() > 0.1)
     if out_right and bool(finite.any()):
         ratio = (s[finite] / want_s[finite]).median().item()
@@ -211,6 +216,14 @@ def _explain(case, o, s, want_o, want_s, wrong, b, h):
                       + (", log2 e: a base-2 log-sum-exp; lse is the natural log, (m + log2 l) · ln 2 when the "
                          "softmax runs in base 2" if base2 else "") + "): lse is log Σ exp(score), natural log, "
                       "with the scale applied")
+    log2e = 1.4426950408889634
+    for other, what in ((1.0, "no scale at all"), (rank ** -0.5, f"1/sqrt(R) = 1/sqrt({rank})"),
+                        (case.scale * log2e, "the scale times log2 e twice (or exp of base-2 scores)"),
+                        (case.scale / log2e, "the scale without its log2 e (exp2 of natural-log scores)")):
+        alt_o, alt_s = case.reference(scale=other)
+        if bool(torch.isclose(o, alt_o, atol=atol, rtol=rtol).all()) and \
+                bool(torch.isclose(s, alt_s, atol=LSE_TOLERANCE[0], rtol=LSE_TOLERANCE[1]).all()):
+            return None, f"every output matches scores scaled by {other:g}, {what}, instead of the scale given"
     return None, ("it matches neither the usual scale nor a score without its rotary part; check the two products "
                   "(q_nope against the first R columns, q_pe against the last P), the chunk bounds and the merge")
 
