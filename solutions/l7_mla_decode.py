@@ -268,12 +268,7 @@ def _check_write_inputs(kv_c, k_pe, kv_cache, slot_mapping):
     if len({kv_c.dtype, k_pe.dtype, kv_cache.dtype}) != 1 or kv_c.dtype not in _FLOATS:
         raise ValueError(f"kv_c, k_pe and kv_cache must share one dtype of float16, bfloat16 or float32; got "
                          f"{kv_c.dtype}, {k_pe.dtype}, {kv_cache.dtype}")
-    tensors = (kv_c, k_pe, kv_cache, slot_mapping)
-    if len({t.device for t in tensors}) != 1:
-        raise ValueError(f"all tensors must be on one device; got {[str(t.device) for t in tensors]}")
-    if not kv_cache.is_contiguous():
-        raise ValueError(f"kv_cache must be contiguous (got strides {kv_cache.stride()}); pass kv_cache.contiguous() "
-                         f"or allocate it with torch.empty(...)")
+    _check_device_and_cache((kv_c, k_pe, kv_cache, slot_mapping), kv_cache)
     for name, t in (("kv_c", kv_c), ("k_pe", k_pe)):
         if t.shape[0] > 0 and t.stride(1) != 1:
             raise ValueError(f"each token's row of {name} must be contiguous (got strides {t.stride()}); a row-"
@@ -288,6 +283,15 @@ def _check_write_inputs(kv_c, k_pe, kv_cache, slot_mapping):
 
 
 _FLOATS = (torch.float16, torch.bfloat16, torch.float32)
+
+
+def _check_device_and_cache(tensors, kv_cache):
+    # Both functions: one device for everything, and the cache the kernels address as slot * (R + P).
+    if len({t.device for t in tensors}) != 1:
+        raise ValueError(f"all tensors must be on one device; got {[str(t.device) for t in tensors]}")
+    if not kv_cache.is_contiguous():
+        raise ValueError(f"kv_cache must be contiguous (got strides {kv_cache.stride()}); pass kv_cache.contiguous() "
+                         f"or allocate it with torch.empty(...)")
 
 
 def _check_decode_inputs(q_nope, q_pe, kv_cache, block_table, seq_lens, scale, num_splits, out):
@@ -323,12 +327,7 @@ def _check_decode_inputs(q_nope, q_pe, kv_cache, block_table, seq_lens, scale, n
                          f"{q_nope.device}; got {tuple(out.shape)}, {out.dtype}, {out.device}")
     if out is not None and num_seqs > 0 and not out[0].is_contiguous():
         raise ValueError(f"each sequence's row of out must be H*R contiguous values (got strides {out.stride()})")
-    tensors = (q_nope, q_pe, kv_cache, block_table, seq_lens)
-    if len({t.device for t in tensors}) != 1:
-        raise ValueError(f"all tensors must be on one device; got {[str(t.device) for t in tensors]}")
-    if not kv_cache.is_contiguous():
-        raise ValueError(f"kv_cache must be contiguous (got strides {kv_cache.stride()}); pass kv_cache.contiguous() "
-                         f"or allocate it with torch.empty(...)")
+    _check_device_and_cache((q_nope, q_pe, kv_cache, block_table, seq_lens), kv_cache)
     for name, q in (("q_nope", q_nope), ("q_pe", q_pe)):
         if q.stride(2) != 1:
             raise ValueError(f"each head's row of {name} must be contiguous (got strides {q.stride()}); a view such "
