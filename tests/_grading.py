@@ -37,7 +37,7 @@ from _tree import ROOT
 RESTARTS = 3       # fresh test processes after the test process itself dies
 
 
-def _pytest(drills, tree, report, timeout, env, deselect, variants=None, select=None):
+def _pytest(drills, tree, report, timeout, env, deselect, variants=None, select=None, shard=None):
     """One test process for the drills' test files; returns its exit code (None: killed
     at the time limit), its output and the report's key."""
     key_read, key_write = os.pipe()
@@ -53,6 +53,8 @@ def _pytest(drills, tree, report, timeout, env, deselect, variants=None, select=
         cmd += ["--drills-variants", str(variants)]
     if select:
         cmd += ["-k", select]
+    if shard:
+        cmd += [f"--drills-shard={shard}"]
     for nodeid in deselect:
         cmd += ["--deselect", nodeid]
     try:
@@ -62,10 +64,60 @@ def _pytest(drills, tree, report, timeout, env, deselect, variants=None, select=
     return code, out, err, key
 
 
-def run_tests(drills, tree, timeout, env=None, variants=None, select=None):
+def shards():
+    """How many test processes grade one drill at once (DRILLS_SHARDS). On a GPU most of a
+    drill's grade is Triton compiling a kernel for each new specialisation its examples
+    meet, one core at a time: a host with cores to spare compiles K at a time. Under the
+    interpreter, one (its runs are the tests themselves, on a laptop's few cores)."""
+    if os.environ.get("DRILLS_SHARDS"):
+        return max(1, int(os.environ["DRILLS_SHARDS"]))
+    return 1 if _env.INTERPRET else max(1, min(4, (os.cpu_count() or 1) // 4))
+
+
+def run_tests(drills, tree, timeout, env=None, variants=None, select=None, count=1):
     """Run the tests of a list of drills in one test process, resuming in a fresh one
-    after the test process dies. Returns (records, problems): the report's records and
-    what went wrong around them."""
+    after the test process dies; or in `count` shards at once (tests/_plugin.py's
+    --drills-shard), merged. Returns (records, problems): the report's records and what
+    went wrong around them."""
+    if count <= 1:
+        return _run_shard(drills, tree, timeout, env, variants, select)
+    dump = (env or {}).get("DRILLS_CASE_DUMP")
+    results = [None] * count
+
+    def one(i):
+        shard_env = {**(env or {}), **({"DRILLS_CASE_DUMP": f"{dump}.{i}"} if dump else {})}
+        results[i] = _run_shard(drills, tree, timeout, shard_env, variants, select, f"{i}/{count}")
+    threads = [threading.Thread(target=one, args=(i,), name=f"grading shard {i}") for i in range(count)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    saved = [f"{dump}.{i}" for i in range(count) if dump and os.path.exists(f"{dump}.{i}")]
+    for i, path in enumerate(saved):  # the picture draws the first shard's saved case
+        os.replace(path, dump) if i == 0 else os.remove(path)
+    return _merged([r if r is not None else ([], ["a grading shard did not finish"]) for r in results])
+
+
+def _merged(results):
+    """The shards' records as one run's: the collection (each shard reports all of it), then
+    per test, in collection order, a failing record if any shard failed it (a hypothesis
+    test runs in every shard, each with its share of the examples), else its pass, else
+    its skip; each problem once."""
+    collected = next((r for records, _ in results for r in records if "collected" in r), None)
+    order = {test: i for i, test in enumerate(collected["collected"])} if collected else {}
+    rank = {"failed": 0, "passed": 1}
+    best = {}
+    for records, _ in results:
+        for r in records:
+            if "outcome" in r and rank.get(r["outcome"], 2) < rank.get(best.get(r["test"], {}).get("outcome"), 3):
+                best[r["test"]] = r
+    outcomes = sorted(best.values(), key=lambda r: order.get(r["test"], len(order)))
+    problems = list(dict.fromkeys(p for _, found in results for p in found))
+    return ([collected] if collected else []) + outcomes, problems
+
+
+def _run_shard(drills, tree, timeout, env=None, variants=None, select=None, shard=None):
+    """run_tests in one test process (or one shard, "I/K"), resumed after it dies."""
     env = {**(env or {}), "PYTHONUNBUFFERED": "1"}
     records, problems, done = [], [], []
     started = time.monotonic()
@@ -73,7 +125,7 @@ def run_tests(drills, tree, timeout, env=None, variants=None, select=None):
         for attempt in range(RESTARTS + 1):
             report = Path(tmp) / f"report-{attempt}.jsonl"
             left = timeout - (time.monotonic() - started)
-            code, out, err, key = _pytest(drills, tree, report, max(left, 1), env, done, variants, select)
+            code, out, err, key = _pytest(drills, tree, report, max(left, 1), env, done, variants, select, shard)
             lines, forged = read_signed(report, key)
             if forged:
                 problems.append(f"the report holds {forged} line(s) the test process did not write: something "
@@ -196,7 +248,7 @@ def grade_drill(drill, tree, timeout, workdir=None, test_timeout=None, env=None,
         env["DRILLS_CASE_DUMP"] = str(Path(workdir) / f"{drill.id}-case.pt")
     if test_timeout:
         env["DRILLS_TIMEOUT"] = str(test_timeout)
-    records, problems = run_tests([drill], tree, timeout, env, select=select)
+    records, problems = run_tests([drill], tree, timeout, env, select=select, count=shards())
     summary = summarize(drill, records, problems)
     summary["kernels"] = env.get("DRILLS_KERNELS") or os.environ.get("DRILLS_KERNELS") or None
     summary["seconds"] = round(time.monotonic() - started, 1)

@@ -8,6 +8,7 @@ the drill module from the `drill` fixture, which runs it in a worker process
 import functools
 import os
 import sys
+import zlib
 from pathlib import Path
 
 # One thread per process, set before torch and numpy load their thread pools: the test
@@ -48,6 +49,9 @@ def pytest_addoption(parser):
     parser.addoption("--drills-variants", default=None,
                      help="(planted-bug run) a folder of <stem>/<name>/<stem>.py trees: run each against the tests "
                           "that can reveal it")
+    parser.addoption("--drills-shard", default=None, metavar="I/K",
+                     help="(grading run) run shard I of K: every K-th test, and each hypothesis test with 1/K of "
+                          "its examples (the other shards, in processes of their own, draw the rest)")
 
 
 def pytest_configure(config):
@@ -58,6 +62,8 @@ def pytest_configure(config):
     config.addinivalue_line("markers", "pitfall(name): the test exists to catch this pitfall of the drill's page")
     config.addinivalue_line("markers", "mistake(name): the test exists to catch this other planted mistake of the drill")
     config.addinivalue_line("markers", "launches_nothing: the test's calls have nothing to do, so no kernel need run")
+    if config.getoption("--drills-shard"):
+        config.pluginmanager.register(Shard(config.getoption("--drills-shard")), "drills-shard")
     import _report
     config.pluginmanager.register(_report, "drills-tracebacks")  # the learner's frames, not the machinery's
     if config.getoption("--drills-report"):
@@ -110,6 +116,39 @@ def pytest_collection_modifyitems(config, items):
             drop.append(item)
     config.hook.pytest_deselected(items=drop)
     items[:] = keep
+
+
+class Shard:
+    """--drills-shard I/K: keep this shard's part of the drill's tests (tests/_grading.py runs
+    the K shards at once, each with its own worker: on a GPU most of a grade is compiling
+    the kernels its examples specialise, one core at a time). A test belongs to the shard
+    its node id hashes to (the same in every shard, and after a restart that deselects the
+    tests already run); a hypothesis test runs in every shard with 1/K of its examples
+    (rounded up), each shard drawing its own, so the K together run at least as many as one
+    process would. The report still lists the whole collection. Last of the collection
+    hooks: after -m, -k and --deselect have chosen the tests."""
+
+    def __init__(self, spec):
+        self.index, self.count = map(int, spec.split("/"))
+
+    @pytest.hookimpl(trylast=True)
+    def pytest_collection_modifyitems(self, config, items):
+        config.drills_collected = [item.nodeid for item in items]
+        keep, drop, divided = [], [], set()
+        for item in items:
+            test = getattr(getattr(item, "obj", None), "hypothesis", None) and item.obj
+            if test:
+                if test not in divided:  # a parametrized test's items share one function
+                    divided.add(test)
+                    current = getattr(test, "_hypothesis_internal_use_settings", None) or settings.default
+                    test._hypothesis_internal_use_settings = settings(
+                        current, max_examples=max(1, -(-current.max_examples // self.count)))
+                keep.append(item)
+            else:
+                mine = zlib.crc32(item.nodeid.encode()) % self.count == self.index
+                (keep if mine else drop).append(item)
+        config.hook.pytest_deselected(items=drop)
+        items[:] = keep
 
 
 def pytest_collection_finish(session):

@@ -157,8 +157,9 @@ class Reporter:
         self.out.write(f"{text}\t{sign(self.key, text)}\n")
 
     def pytest_collection_finish(self, session):
-        self._write(collected=[item.nodeid for item in session.items],
-                    variants=[_variant(item) for item in session.items])
+        everything = getattr(session.config, "drills_collected", None)  # a shard: the drill's whole collection
+        self._write(collected=everything or [item.nodeid for item in session.items],
+                    variants=[None] * len(everything) if everything else [_variant(item) for item in session.items])
 
     @pytest.hookimpl(tryfirst=True)
     def pytest_runtest_setup(self, item):

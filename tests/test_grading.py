@@ -6,6 +6,7 @@ import json
 import os
 import re
 import subprocess
+import sys
 import sysconfig
 import time
 
@@ -381,3 +382,49 @@ def test_integrity_of_this_repository_takes_under_a_second():
     assert time.monotonic() - started < 1
     assert any(path.endswith(".pth") for path in before) or not any(
         name.endswith(".pth") for name in os.listdir(sysconfig.get_paths()["purelib"]))
+
+
+SHARDED = '''
+from hypothesis import given, strategies as st
+DRAWN = []
+@given(st.integers())
+def test_drawn(x):
+    DRAWN.append(x)
+@given(st.integers())
+@pytest.mark.parametrize("p", [1, 2])
+def test_parametrized(p, x):
+    DRAWN.append(x)
+def test_a(): pass
+def test_b(): pass
+def test_c(): pass
+def teardown_module():
+    print("EXAMPLES", len(DRAWN))
+'''
+
+
+def test_a_drill_graded_in_shards_runs_every_test_once_and_every_example(tmp_path):
+    """On a GPU the grade runs a drill's tests in K shards at once (tests/_grading.py,
+    shards()): each plain test in one shard, each hypothesis test in all of them with 1/K of
+    its examples; the report lists the whole collection, and a test any shard failed fails."""
+    (tmp_path / "test_sharded.py").write_text("import pytest\n" + SHARDED)
+    ran, drawn = [], 0
+    for shard in ("0/2", "1/2"):
+        out = subprocess.run([sys.executable, "-m", "pytest", "-p", "_plugin", "-p", "no:cacheprovider", "-q", "-s",
+                              "-rA", f"--drills-shard={shard}", str(tmp_path / "test_sharded.py")], cwd=tmp_path,
+                             capture_output=True, text=True, env={**os.environ, "PYTHONPATH": str(ROOT / "tests")})
+        assert out.returncode == 0, out.stdout + out.stderr
+        ran += re.findall(r"^PASSED \S+::(\S+)", out.stdout, re.M)
+        drawn += int(re.search(r"EXAMPLES (\d+)", out.stdout).group(1))
+    plain = sorted(t for t in ran if not t.startswith(("test_drawn", "test_parametrized")))
+    assert plain == ["test_a", "test_b", "test_c"]  # each in one shard
+    assert sorted(ran).count("test_drawn") == 2  # each hypothesis test in both
+    from hypothesis import settings
+    assert drawn == 3 * 2 * -(-settings.default.max_examples // 2)  # three hypothesis items, half each per shard
+    # and the shards' records merge into one run's
+    collected = dict(collected=["t::a", "t::b", "t::h"], variants=[None] * 3)
+    records, problems = _grading._merged([
+        ([collected, dict(test="t::h", outcome="passed"), dict(test="t::b", outcome="skipped")], ["slow"]),
+        ([collected, dict(test="t::a", outcome="passed"), dict(test="t::h", outcome="failed")], ["slow", "odd"])])
+    assert records == [collected, dict(test="t::a", outcome="passed"), dict(test="t::b", outcome="skipped"),
+                       dict(test="t::h", outcome="failed")]
+    assert problems == ["slow", "odd"]
