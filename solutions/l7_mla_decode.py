@@ -21,7 +21,7 @@ import triton.language as tl
 # kernel widens q and the latent tiles to fp32 first. On a GPU they stay 16-bit and
 # go through the tensor cores, accumulating in fp32.
 _INTERPRET = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
-LOG2E, LN2 = 1.4426950408889634, 0.6931471805599453
+LOG2E, LN2 = 1.4426950408889634, tl.constexpr(0.6931471805599453)  # a kernel reads only constexpr globals
 CPU_NUM_SPLITS = 4     # num_splits=None on the CPU: small, but enough to exercise the merge
 PROGRAMS_PER_SM = 4    # num_splits=None on a GPU aims at this many decode programs per SM ...
 MAX_SPLITS = 32        # ... with at most this many splits
