@@ -23,12 +23,12 @@ import triton.language as tl
 _INTERPRET = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 LOG2E, LN2 = 1.4426950408889634, tl.constexpr(0.6931471805599453)  # a kernel reads only constexpr globals
 CPU_NUM_SPLITS = 4     # num_splits=None on the CPU: small, but enough to exercise the merge
-PROGRAMS_PER_SM = 4    # num_splits=None on a GPU aims at this many decode programs per SM ...
-MAX_SPLITS = 32        # ... with at most this many splits
-# The decode launch on a GPU (to be measured on an H200): query heads per program, tokens
-# per step, warps and pipeline stages. 64 heads share each latent tile 64 ways (H = 128 is
-# bound by the tensor cores); 16 is tl.dot's smallest tile (H = 16 is bound by memory).
-GPU_BLOCK_H, GPU_TILE, NUM_WARPS, NUM_STAGES = 64, 32, 8, 2
+MAX_SPLITS = 32        # num_splits=None on a GPU: at most this many splits
+# The decode launch on a GPU, measured on an H200 (BENCHMARKS.md, L7): heads per program, tokens
+# per step, warps, pipeline stages, and the programs per SM that num_splits=None aims at. Up to 16
+# heads, memory bounds it: 16 heads (tl.dot's smallest tile), two programs an SM. Past 16, the
+# tensor cores: 64 heads share each latent tile, and one such program keeps an SM busy.
+MEMORY_BOUND_LAUNCH, TENSOR_CORE_LAUNCH = (16, 64, 4, 3, 2), (64, 64, 8, 1, 1)
 MERGE_BLOCK_H = 4  # heads per merge program on a GPU: many small programs, every SM busy
 
 
@@ -196,22 +196,22 @@ def concat_and_cache_mla(kv_c, k_pe, kv_cache, slot_mapping):
 
 
 def default_num_splits(num_seqs, num_heads, device):
-    """About PROGRAMS_PER_SM (head tile, sequence, split) programs per SM, at most
+    """About the launch's programs per SM ((head tile, sequence, split) programs), at most
     MAX_SPLITS splits; one split when the batch alone fills the GPU (L4's rule)."""
     if device.type != "cuda":
         return CPU_NUM_SPLITS
     sms = torch.cuda.get_device_properties(device).multi_processor_count
-    tiles = num_seqs * triton.cdiv(num_heads, _launch(num_heads, torch.bfloat16, device)[0])  # 16-bit's tiles
-    return max(1, min(MAX_SPLITS, PROGRAMS_PER_SM * sms // max(1, tiles)))
+    block_h, *_, per_sm = _launch(num_heads, torch.bfloat16, device)  # a 16-bit query's launch
+    return max(1, min(MAX_SPLITS, per_sm * sms // max(1, num_seqs * triton.cdiv(num_heads, block_h))))
 
 
 def _launch(num_heads, dtype, device):
-    """(BLOCK_H, TILE, num_warps, num_stages) of the decode kernel."""
+    """(BLOCK_H, TILE, num_warps, num_stages, programs per SM) of the decode kernel."""
     if device.type != "cuda":  # the interpreter: the bigger the tiles, the fewer Python steps
-        return min(64, max(16, triton.next_power_of_2(num_heads))), 64, 4, 1
+        return min(64, max(16, triton.next_power_of_2(num_heads))), 64, 4, 1, 1
     if dtype == torch.float32:  # 4-byte tiles: smaller, or they spill
-        return 16, 16, 4, 2
-    return (16 if num_heads <= 16 else GPU_BLOCK_H), GPU_TILE, NUM_WARPS, NUM_STAGES
+        return 16, 16, 4, 2, 2
+    return MEMORY_BOUND_LAUNCH if num_heads <= 16 else TENSOR_CORE_LAUNCH
 
 
 def mla_decode_attention(q_nope, q_pe, kv_cache, block_table, seq_lens, scale, num_splits=None, out=None):
@@ -232,7 +232,7 @@ def mla_decode_attention(q_nope, q_pe, kv_cache, block_table, seq_lens, scale, n
     # fp32 partials, [B, H, num_splits, R] and [B, H, num_splits] (unused when num_splits == 1)
     parts = torch.empty((num_seqs, num_heads, num_splits, rank), dtype=torch.float32, device=device)
     part_lse = torch.empty((num_seqs, num_heads, num_splits), dtype=torch.float32, device=device)
-    block_h, tile, num_warps, num_stages = _launch(num_heads, q_nope.dtype, device)
+    block_h, tile, num_warps, num_stages, _ = _launch(num_heads, q_nope.dtype, device)
     r_pad, p_pad = max(16, triton.next_power_of_2(rank)), max(16, triton.next_power_of_2(rope))
     mla_decode_kernel[(triton.cdiv(num_heads, block_h), num_seqs, num_splits)](
         out, lse, parts, part_lse, q_nope, q_pe, kv_cache, block_table, seq_lens,

@@ -289,18 +289,21 @@ def check_split_rule(text):
     on a GPU) and default_num_splits's rule worked for the bench shapes on 132 SMs."""
     sol = load_drill("solutions", "l7_mla_decode")
     gpu = torch.device("cuda")  # only its type is read: no GPU needed
-    assert sol._launch(16, torch.bfloat16, gpu)[0] == 16 and sol._launch(128, torch.bfloat16, gpu) == (64, 32, 8, 2)
+    assert sol._launch(16, torch.bfloat16, gpu) == (16, 64, 4, 3, 2)
+    assert sol._launch(128, torch.bfloat16, gpu) == (64, 64, 8, 1, 1)
     assert sol._launch(128, torch.float32, gpu)[:2] == (16, 16) and sol.MERGE_BLOCK_H == 4
-    assert (sol.PROGRAMS_PER_SM, sol.MAX_SPLITS, sol.CPU_NUM_SPLITS) == (4, 32, 4)
+    assert (sol.MAX_SPLITS, sol.CPU_NUM_SPLITS) == (32, 4)
     sec = section(text, 7)
-    _lines(sec, "H ≤ 16 时 BLOCK_H = 16，否则 64；每轮 TILE = 32 个 token，8 个 warp，2 级流水",
-           "BLOCK_H = 16、TILE = 16", "`S = min(32, max(1, ⌊4 · SM 数 / (B · ⌈H / BLOCK_H⌉)⌋))`", "CPU 上固定 4 段",
-           "一个 program 合并 4 个 head")
-    for num_seqs, num_heads, shown, splits in ((64, 16, "8.25", 8), (64, 128, "4.125", 4), (128, 128, "2.06", 2)):
-        tiles = num_seqs * -(-num_heads // sol._launch(num_heads, torch.bfloat16, gpu)[0])
-        assert max(1, min(sol.MAX_SPLITS, sol.PROGRAMS_PER_SM * 132 // tiles)) == splits
-        assert abs(float(shown) - 4 * 132 / tiles) < 0.005
-        _lines(sec, f"4 × 132 ÷ {tiles} = {shown}，取 {splits} 段")
+    _lines(sec, "H ≤ 16 时 BLOCK_H = 16、TILE = 64 个 token、4 个 warp、3 级流水，每个 SM 2 个 program",
+           "H > 16 时 BLOCK_H = 64、TILE = 64、8 个 warp、1 级流水，每个 SM 1 个 program", "BLOCK_H = 16、TILE = 16",
+           "`S = min(32, max(1, ⌊P · SM 数 / (B · ⌈H / BLOCK_H⌉)⌋))`", "CPU 上固定 4 段", "一个 program 合并 4 个 head")
+    for num_seqs, num_heads, shown, splits in ((64, 16, "4.125", 4), (128, 16, "2.06", 2), (64, 128, "1.03", 1),
+                                               (128, 128, "0.52", 1)):
+        block_h, *_, per_sm = sol._launch(num_heads, torch.bfloat16, gpu)
+        tiles = num_seqs * -(-num_heads // block_h)
+        assert max(1, min(sol.MAX_SPLITS, per_sm * 132 // tiles)) == splits
+        assert abs(float(shown) - per_sm * 132 / tiles) < 0.005
+        _lines(sec, f"{per_sm} × 132 ÷ {tiles} = {shown}，取")
 
 
 # ---------------------------------------------------------------------------
