@@ -109,9 +109,9 @@ def mla_decode_kernel(
     for tile_start in range(start, end, TILE):
         pos = tile_start + tl.arange(0, TILE)
         live = pos < end
-        # L2's address: the block table read only for live tokens, the slot widened to int64.
+        # int64: the block's start + the row in it (as one product, Triton 3.6 misaligns loads when R + P is odd)
         block = tl.load(block_table_ptr + seq * table_stride + pos // BLOCK_SIZE, mask=live, other=0)
-        row = (block.to(tl.int64) * BLOCK_SIZE + pos % BLOCK_SIZE) * (R + P)
+        row = block.to(tl.int64) * (BLOCK_SIZE * (R + P)) + pos % BLOCK_SIZE * (R + P)
         # The latent tile, loaded once: its first R columns are the key's c AND the value.
         c = tl.load(kv_cache_ptr + row[:, None] + c_cols[None, :],
                     mask=live[:, None] & (c_cols < R)[None, :], other=0.0)

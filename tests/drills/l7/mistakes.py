@@ -40,7 +40,7 @@ PITFALLS = {
         edits=(("token = tl.program_id(0).to(tl.int64)", "token = tl.program_id(0)"),
                ("slot = tl.load(slot_mapping_ptr + token).to(tl.int64)",
                 "slot = tl.load(slot_mapping_ptr + token).to(tl.int32)"),
-               ("row = (block.to(tl.int64) * BLOCK_SIZE", "row = (block * BLOCK_SIZE")),
+               ("row = block.to(tl.int64) * (BLOCK_SIZE", "row = block * (BLOCK_SIZE")),
         crashes=True),
     "padding_written": Pitfall(
         says="padding tokens (slot -1) are not skipped: their rows are read, and written just before the cache",

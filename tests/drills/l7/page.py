@@ -314,7 +314,7 @@ WALKTHROUGH_LINES = {  # line: what the prose says is there
     50: "keep_c = c_cols < tl.where(slot >= 0, R, 0)", 54: "row = kv_cache_ptr + slot * (R + P)",
     80: "head_tile = tl.program_id(0)", 86: "chunk = tl.cdiv(tl.cdiv(seq_len, NUM_SPLITS), TILE) * TILE",
     95: "head_ok = heads < NUM_HEADS", 107: "acc = tl.zeros([BLOCK_H, R_PAD], tl.float32)",
-    114: "row = (block.to(tl.int64) * BLOCK_SIZE", 116: "c = tl.load(kv_cache_ptr + row[:, None] + c_cols[None, :],",
+    114: "row = block.to(tl.int64) * (BLOCK_SIZE * (R + P))", 116: "c = tl.load(kv_cache_ptr + row[:, None] + c_cols[None, :],",
     124: "s = tl.dot(q_nope, tl.trans(c)", 125: "acc=s", 131: "tl.dot(p.to(c.dtype), c,",
     169: "s_max = tl.where(s_max == float(\"-inf\"), 0.0, s_max)", 170: "tl.exp(s - s_max[:, None])",
     176: "acc += tl.where(w[:, None] > 0", 177: "out = acc / tl.where(total > 0, total, 1.0)",
