@@ -63,7 +63,12 @@ KNOWN_ERRORS = (
     (r"invalid operands of type pointer<\w+> and triton\.language\.float",
      "a pointer was offset by a float: an index tensor (slot_mapping, block_table, seq_lens) of a float dtype, or an "
      "offset computed in floating point"),
-    (r"illegal memory access|an illegal address|misaligned address",
+    (r"misaligned address",
+     "a vector load or store at an address its width does not divide: Triton vectorises a load when it believes "
+     "each row starts at a multiple of the vector; with an odd row width, an offset written as one product "
+     "(block * BLOCK_SIZE + pos % BLOCK_SIZE) * W can make Triton 3.6 believe it wrongly. Write it as "
+     "block * (BLOCK_SIZE * W) + pos % BLOCK_SIZE * W (the same number); or a pointer offset by a wrong stride"),
+    (r"illegal memory access|an illegal address",
      "the kernel read or wrote outside every tensor on the GPU: a missing mask, or an offset that wrapped around "
      "in int32 (compute offsets in int64: .to(tl.int64) on the program id, slot or block number before multiplying)"),
     # A process killed by SIGSEGV or SIGBUS (the worker's or the test process's crash message).

@@ -224,6 +224,7 @@ def test_f1_diagnosis_names_the_planted_mistake_and_nothing_on_a_right_answer(de
     ("ValueError: arange's range must be a power of 2", "next_power_of_2"),
     ("IncompatibleTypeErrorImpl('invalid operands of type pointer<fp16> and triton.language.float32')", "float dtype"),
     ("RuntimeError: CUDA error: an illegal memory access was encountered", "int32"),
+    ("torch.AcceleratorError: CUDA error: misaligned address", "pos % BLOCK_SIZE * W"),
     ("the process running your code ended in f() (killed by SIGSEGV): usually a read or write far outside a tensor",
      "int64"),
     ("the test process died in this test (killed by SIGBUS)", "int64"),
