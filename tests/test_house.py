@@ -165,3 +165,47 @@ def test_the_trees_import_nothing_of_the_machinery_or_each_other(tree):
                 top = n.split(".")[0]
                 assert not (top.startswith("_") or top in ("drills", "grader", "tests") or top in stems
                             or getattr(node, "level", 0)), f"{tree}/{path.name} imports {n!r}"
+
+
+def _jit(decorator):
+    """@triton.jit, @jit, or either called with options."""
+    target = decorator.func if isinstance(decorator, ast.Call) else decorator
+    return (isinstance(target, ast.Attribute) and target.attr == "jit") or (isinstance(target, ast.Name)
+                                                                             and target.id == "jit")
+
+
+def _kernel_readable_globals(module):
+    """Module-level names a kernel may read when Triton compiles it for a GPU: imports,
+    other kernels, and values wrapped in tl.constexpr (by the source, not by importing it)."""
+    ok = set()
+    for node in module.body:
+        if isinstance(node, (ast.Import, ast.ImportFrom)):
+            ok |= {(a.asname or a.name).split(".")[0] for a in node.names}
+        elif isinstance(node, ast.FunctionDef) and any(_jit(d) for d in node.decorator_list):
+            ok.add(node.name)
+        elif isinstance(node, ast.Assign):
+            for target in node.targets:
+                pairs = (zip(target.elts, node.value.elts) if isinstance(target, ast.Tuple)
+                         and isinstance(node.value, ast.Tuple) else [(target, node.value)])
+                ok |= {t.id for t, v in pairs if isinstance(t, ast.Name) and isinstance(v, ast.Call)
+                       and getattr(v.func, "attr", getattr(v.func, "id", None)) == "constexpr"}
+    return ok
+
+
+@pytest.mark.parametrize("drill", DRILLS, ids=lambda d: d.id)
+def test_reference_kernels_read_only_constexpr_globals(drill):
+    """Triton compiling for a GPU lets a kernel read a module-level name only if it is a
+    tl.constexpr, a module or another kernel; the CPU interpreter never checks, so a
+    reference could pass every test here and fail on every GPU (L7's LN2 once did)."""
+    source = ast.parse((ROOT / "solutions" / f"{drill.stem}.py").read_text())
+    assigned = {t.id for node in source.body if isinstance(node, ast.Assign) for target in node.targets
+                for t in (target.elts if isinstance(target, ast.Tuple) else [target]) if isinstance(t, ast.Name)}
+    assigned |= {node.name for node in source.body if isinstance(node, (ast.FunctionDef, ast.ClassDef))}
+    readable = _kernel_readable_globals(source)
+    for kernel in [n for n in source.body if isinstance(n, ast.FunctionDef) and any(_jit(d) for d in n.decorator_list)]:
+        own = {a.arg for a in kernel.args.args} | {n.id for n in ast.walk(kernel)
+                                                   if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Store)}
+        read = {n.id: n.lineno for n in ast.walk(kernel) if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Load)}
+        bad = {name: line for name, line in read.items() if name in assigned - readable - own}
+        assert not bad, (f"solutions/{drill.stem}.py: kernel {kernel.name} reads module globals {bad} (name: line) "
+                         f"that are not tl.constexpr: a GPU compile refuses them; wrap them in tl.constexpr(...)")
