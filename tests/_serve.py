@@ -112,11 +112,13 @@ def _where(error, tree):
 
 class _Captured:
     """What the learner's code prints during one call, at the file-descriptor level
-    (the interpreter's and the GPU's prints too), handed back with the reply."""
+    (the interpreter's and the GPU's prints too), handed back with the reply. The files
+    are named (in the scratch folder), so that after a crash the test process can still
+    read what CUDA said before the process died."""
 
     def __enter__(self):
         sys.stdout.flush(), sys.stderr.flush()
-        self.files = [tempfile.TemporaryFile(), tempfile.TemporaryFile()]
+        self.files = [open(os.path.join(tempfile.gettempdir(), f"call-{name}"), "w+b") for name in ("stdout", "stderr")]
         self.saved = [os.dup(1), os.dup(2)]
         for fd, f in zip((1, 2), self.files):
             os.dup2(f.fileno(), fd)

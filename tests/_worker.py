@@ -38,9 +38,11 @@ import atexit
 import json
 import os
 import pickle
+import re
 import shutil
 import signal
 import socket
+import stat
 import subprocess
 import sys
 import tempfile
@@ -82,6 +84,23 @@ _KEEP_TYPES = {t.__name__: t for t in (ValueError, TypeError, IndexError, NotImp
 
 class LearnerError(Exception):
     """An exception of another type raised by the learner's code: `TypeName: message`."""
+
+
+def _last_cuda_error(scratch):
+    """CUDA's own reason for a crash, when the call printed one before its process died (a
+    device error often ends in an abort, whose signal alone says little): the last
+    "CUDA error: ..." line of the call's captured stderr (tests/_serve.py), read without
+    following a link the worker may have left in its place."""
+    try:
+        fd = os.open(Path(scratch) / "call-stderr", os.O_RDONLY | os.O_NOFOLLOW)
+    except (OSError, TypeError):
+        return None
+    with os.fdopen(fd, "rb") as f:
+        if not stat.S_ISREG(os.fstat(f.fileno()).st_mode):
+            return None
+        f.seek(max(0, os.fstat(f.fileno()).st_size - 8000))
+        found = re.findall(r"CUDA error: [^\n]{1,200}", f.read(8000).decode(errors="replace"))
+    return found[-1] if found else None
 
 
 class LearnerCrash(Exception):
@@ -249,11 +268,12 @@ class Worker:
                 raise LearnerError(f"your code sent back something that is not data ({error}); return tensors, "
                                    f"numbers, strings, None, or tuples, lists and dicts of these") from None
             except (EOFError, OSError):
-                code = self._exit_code()
+                code, cuda = self._exit_code(), _last_cuda_error(self.scratch)
                 sharing.collect()
                 self.stop(spare=True)
                 where = "at import of your module" if phase == "importing your module" else f"in {phase}"
-                raise LearnerCrash(f"the process running your code ended {where} ({code}): usually a read or "
+                raise LearnerCrash(f"the process running your code ended {where} ({code}"
+                                   + (f"; CUDA said: {cuda}" if cuda else "") + "): usually a read or "
                                    f"write far outside a tensor, or os._exit / a fatal error in your file")
             if message is None:
                 self.stop(spare=True)

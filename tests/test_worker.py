@@ -78,6 +78,16 @@ def test_a_crash_in_a_call_says_which_call(tmp_path, worker):
         worker.call(tree, L1.stem, "slot_mapping", (), {})
 
 
+def test_a_crash_says_what_cuda_said(tmp_path, worker):
+    """A device error often ends the worker in SIGABRT; the CUDA error it printed says more."""
+    tree = learner(tmp_path, "import os, signal, sys\ndef slot_mapping(*a):\n"
+                             "    print('CUDA error: misaligned address', file=sys.stderr, flush=True)\n"
+                             "    os.kill(os.getpid(), signal.SIGABRT)\n")
+    worker.budget = 60
+    with pytest.raises(LearnerCrash, match=r"killed by SIGABRT; CUDA said: CUDA error: misaligned address\)"):
+        worker.call(tree, L1.stem, "slot_mapping", (), {})
+
+
 def test_a_renamed_function_is_named_by_its_file(tmp_path, worker):
     tree = learner(tmp_path, "def slot_map(*a):\n    return 1\n")
     worker.budget = 60
