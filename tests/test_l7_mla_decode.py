@@ -9,6 +9,7 @@ or 48, P = 16 or 8); on a GPU DeepSeek's R = 512, P = 64.
 """
 import pytest
 import torch
+import triton
 from hypothesis import given
 
 import _env
@@ -74,6 +75,10 @@ def test_write_worked_example(drill, device):
 
 def test_decode_worked_example(drill, device):
     """Two heads over the three rows, scale 0.5: the page's scores, weights, out and lse."""
+    if torch.device(device).type == "cuda" and tuple(map(int, triton.__version__.split(".")[:2])) < (3, 7):
+        pytest.skip("on a GPU, Triton before 3.7 vectorises the loads of a row as wide as R + P = 3 into misaligned "
+                    "ones when its address is written as one product (content/l7.md §12): a right kernel could "
+                    "crash; the CPU grade runs this example")
     out, lse = run(drill, worked_example_decode_case(device))
     n = worked_example_numbers()
     torch.testing.assert_close(out[0].cpu().double(), n["out"], atol=1e-5, rtol=1e-5)
