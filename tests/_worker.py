@@ -87,20 +87,15 @@ class LearnerError(Exception):
 
 
 def _last_cuda_error(scratch):
-    """CUDA's own reason for a crash, when the call printed one before its process died (a
-    device error often ends in an abort, whose signal alone says little): the last
-    "CUDA error: ..." line of the call's captured stderr (tests/_serve.py), read without
-    following a link the worker may have left in its place."""
+    """The last "CUDA error: ..." line a crashed call printed (its stderr, kept by _serve; no link followed)."""
     try:
-        fd = os.open(Path(scratch) / "call-stderr", os.O_RDONLY | os.O_NOFOLLOW)
+        with os.fdopen(os.open(Path(scratch) / "call-stderr", os.O_RDONLY | os.O_NOFOLLOW), "rb") as f:
+            info = os.fstat(f.fileno())
+            f.seek(max(0, info.st_size - 8000))  # the tail only: the call may have printed gigabytes
+            text = f.read(8000).decode(errors="replace") if stat.S_ISREG(info.st_mode) else ""
     except (OSError, TypeError):
         return None
-    with os.fdopen(fd, "rb") as f:
-        if not stat.S_ISREG(os.fstat(f.fileno()).st_mode):
-            return None
-        f.seek(max(0, os.fstat(f.fileno()).st_size - 8000))
-        found = re.findall(r"CUDA error: [^\n]{1,200}", f.read(8000).decode(errors="replace"))
-    return found[-1] if found else None
+    return ([None] + re.findall(r"CUDA error: [^\n]{1,200}", text))[-1]
 
 
 class LearnerCrash(Exception):
