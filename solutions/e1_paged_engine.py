@@ -291,10 +291,7 @@ def generate(model, prompts, max_new_tokens, *, block_size=16, num_blocks=None, 
              kernels=None):
     """Greedy decoding of every prompt through the paged engine; per prompt, the new
     tokens only (what model.generate(..., do_sample=False) gives, EOS included)."""
-    # Graphs only on a GPU and with the tree's own kernels: kernels handed in may look at
-    # their arguments on the host (a tracer, a checker), which a replay would skip.
-    use_graphs = kernels is None
-    kernels = kernels or _tree_kernels()
+    own_kernels, kernels = kernels is None, kernels or _tree_kernels()
     counts = [max_new_tokens] * len(prompts) if isinstance(max_new_tokens, int) else list(max_new_tokens)
     if len(counts) != len(prompts) or any(n < 1 for n in counts) or any(len(p) < 1 for p in prompts):
         raise ValueError("prompts must be non-empty lists of token ids and max_new_tokens an int >= 1 or one "
@@ -318,9 +315,10 @@ def generate(model, prompts, max_new_tokens, *, block_size=16, num_blocks=None, 
     blocks, eos = BlockManager(num_blocks, block_size), _eos_ids(model)
     requests = [Request(i, p, n) for i, (p, n) in enumerate(zip(prompts, counts))]
     sched = Scheduler(blocks, max_num_batched_tokens, requests)
-    graphs = None
-    if use_graphs and like["device"].type == "cuda":
-        graphs = DecodeGraphs(model, caches, kernels, len(prompts), max(need))
+    # Graphs only on a GPU and with the tree's own kernels: kernels handed in may look at
+    # their arguments on the host (a tracer, a checker), which a replay would skip.
+    replayable = own_kernels and like["device"].type == "cuda"
+    graphs = DecodeGraphs(model, caches, kernels, len(prompts), max(need)) if replayable else None
     while sched.waiting or sched.running:
         batch = sched.schedule()
         if not batch:
