@@ -41,8 +41,13 @@ def ref_cascade(query, k_cache, v_cache, block_table, query_start_loc, seq_lens,
     total_q, num_heads, head_size = query.shape
     block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
     scale = 1.0 / math.sqrt(head_size) if scale is None else scale
-    kv_head = torch.arange(num_heads) // (num_heads // num_kv_heads)
+    group = num_heads // num_kv_heads
+    kv_head = torch.arange(num_heads) // group
     prefix_heads, suffix_heads = (kv_head if m is None else torch.as_tensor(m).long() for m in kv_heads)
+    # With one head mapping for both parts, query heads are read in groups against the KV
+    # heads as stored; copying K and V out to every query head (as a mistake's mapping or
+    # the swapped merge needs) took a minute a call for L6's 8192-key GPU test.
+    grouped = kv_heads == (None, None) and mistake != "swapped"
     starts = query_start_loc.long().cpu().tolist()
     lens = seq_lens.long().cpu().tolist()
     table = block_table.long().cpu()
@@ -51,12 +56,14 @@ def ref_cascade(query, k_cache, v_cache, block_table, query_start_loc, seq_lens,
     out = torch.zeros(total_q, num_heads, head_size, dtype=torch.float64)
     for b, n in enumerate(lens):
         blocks = table[b, :math.ceil(n / block_size)]
-        k, v = (_by_part(c[blocks.to(c.device)].double().cpu().reshape(-1, num_kv_heads, head_size)[:n], prefix,
-                         prefix_heads, suffix_heads) for c in (k_cache, v_cache))
+        k, v = (c[blocks.to(c.device)].double().cpu().reshape(-1, num_kv_heads, head_size)[:n]
+                for c in (k_cache, v_cache))
+        if not grouped:
+            k, v = (_by_part(kv, prefix, prefix_heads, suffix_heads) for kv in (k, v))
         q_len = starts[b + 1] - starts[b]
         for t in range(starts[b], starts[b + 1]):
             pos = n - q_len + (t - starts[b])
-            s = torch.einsum("hd,khd->hk", q[t], k[:pos + 1]) * scale  # [H_q, keys]
+            s = _scores(q[t], k[:pos + 1], group if grouped else 1) * scale  # [H_q, keys]
             keys = torch.arange(pos + 1)
             in_prefix = keys < prefix
             if mistake == "prefix_twice":
@@ -69,8 +76,18 @@ def ref_cascade(query, k_cache, v_cache, block_table, query_start_loc, seq_lens,
             if mistake == "swapped":
                 out[t] = _swapped(s, v[:pos + 1], in_prefix)
             elif bool(torch.isfinite(s).any()):
-                out[t] = torch.einsum("hk,khd->hd", s.softmax(-1), v[:pos + 1])
+                out[t] = _weighted(s.softmax(-1), v[:pos + 1], group if grouped else 1)
     return out
+
+
+def _scores(q, k, group):
+    """q [H_q, D] against k [keys, H_q / group, D]: [H_q, keys], query head h reading KV head h // group."""
+    return torch.einsum("jgd,kjd->jgk", q.view(k.shape[1], group, -1), k).reshape(q.shape[0], -1)
+
+
+def _weighted(p, v, group):
+    """p [H_q, keys] over v [keys, H_q / group, D]: [H_q, D]."""
+    return torch.einsum("jgk,kjd->jgd", p.view(v.shape[1], group, -1), v).reshape(p.shape[0], -1)
 
 
 def _by_part(kv, prefix, prefix_heads, suffix_heads):
