@@ -241,32 +241,43 @@ class DecodeGraphs:
     def __init__(self, model, caches, kernels, max_seqs, max_blocks):
         self.model, self.caches, self.kernels = model, caches, kernels
         self.sizes = [s for s in (1, 2, 4, 8, *range(16, max_seqs, 16)) if s < max_seqs] + [max_seqs]
-        n, self.width, device = max_seqs, max_blocks, caches[0][0].device
+        n, device = max_seqs, caches[0][0].device
         # Every input in one int64 buffer (L1 and L3 take int64 indices), so that a
         # step's inputs reach the GPU in one copy: ids, positions, slots, seq_lens and
-        # the block table, n rows each.
+        # the block table, n rows each. The host keeps a pinned twin, written in place.
         self.packed = torch.zeros(n * (4 + max_blocks), dtype=torch.int64, device=device)
+        self.host = torch.zeros_like(self.packed, device="cpu").pin_memory()
         ids, positions, slots, seq_lens, table = self.packed.split([n, n, n, n, n * max_blocks])
         self.inputs = dict(ids=ids, positions=positions, slot_mapping=slots, seq_lens=seq_lens,
                            block_table=table.view(n, max_blocks), last=torch.arange(n, device=device),
                            query_start_loc=torch.arange(n + 1, device=device))  # one token a row
+        self.rows = self.host.numpy()[:4 * n].reshape(4, n)          # ids, positions, slots, seq_lens
+        self.table = self.host.numpy()[4 * n:].reshape(n, max_blocks)
+        self.written = [[] for _ in range(n)]  # the blocks each table row holds now
         self.graphs, self.pool = {}, None
 
     def __call__(self, blocks, batch):
         """Logits of a step in which every request brings one token."""
-        n, width = len(self.inputs["ids"]), self.width
-        ids, positions, slots, seq_lens, table = [0] * n, [0] * n, [-1] * n, [1] * n, [0] * (n * width)
-        for i, (req, _) in enumerate(batch):  # the rows past the batch stay padding (block 0)
+        # Building every input from Python ints took longer than the replay. A row's
+        # table is written only when its blocks changed (a block every block_size steps,
+        # or another request in that row); rows past the batch are padding: token 0 at
+        # position 0, slot -1, one cached token (in whatever valid block the row lists).
+        n = len(batch)
+        self.rows[:, n:] = [[0], [0], [-1], [1]]
+        for i, (req, _) in enumerate(batch):
             p, owned = req.computed, blocks.owned(req.id)
-            ids[i], positions[i], slots[i], seq_lens[i] = req.tokens[p], p, blocks.slot(req.id, p), p + 1
-            table[i * width:i * width + len(owned)] = owned
-        self.packed.copy_(torch.tensor(ids + positions + slots + seq_lens + table))
-        size = next(s for s in self.sizes if s >= len(batch))
+            self.rows[:, i] = req.tokens[p], p, blocks.slot(req.id, p), p + 1
+            if owned != self.written[i]:
+                self.table[i, :len(owned)] = self.written[i] = owned
+        # From pinned memory the copy is queued behind the last step's work; the host
+        # writes the buffer again only after that step's logits were read (a sync).
+        self.packed.copy_(self.host, non_blocking=True)
+        size = next(s for s in self.sizes if s >= n)
         if size not in self.graphs:
             self.graphs[size] = self._capture(size)
         graph, logits = self.graphs[size]
         graph.replay()
-        return logits[:len(batch)]
+        return logits[:n]
 
     def _capture(self, size):
         step = _Namespace(**{name: t[:size + 1 if name == "query_start_loc" else size]
