@@ -9,6 +9,7 @@ and the model runner (one flattened forward over every token of the step).
 import importlib.util
 import os
 import sys
+import weakref
 
 import torch
 
@@ -238,8 +239,8 @@ class DecodeGraphs:
     fixed buffers; the batch is padded up to the next captured size with rows that write
     nothing (slot -1) and attend to one cached token, and their logits are dropped."""
 
-    def __init__(self, model, caches, kernels, max_seqs, max_blocks):
-        self.model, self.caches, self.kernels = model, caches, kernels
+    def __init__(self, caches, kernels, max_seqs, max_blocks):
+        self.caches, self.kernels = caches, kernels  # not the model: see _ENGINES
         self.sizes = [s for s in (1, 2, 4, 8, *range(16, max_seqs, 16)) if s < max_seqs] + [max_seqs]
         n, device = max_seqs, caches[0][0].device
         # Every input in one int64 buffer (L1 and L3 take int64 indices), so that a
@@ -256,7 +257,7 @@ class DecodeGraphs:
         self.written = [[] for _ in range(n)]  # the blocks each table row holds now
         self.graphs, self.pool = {}, None
 
-    def __call__(self, blocks, batch):
+    def __call__(self, model, blocks, batch):
         """Logits of a step in which every request brings one token."""
         # Building every input from Python ints took longer than the replay. A row's
         # table is written only when its blocks changed (a block every block_size steps,
@@ -274,22 +275,43 @@ class DecodeGraphs:
         self.packed.copy_(self.host, non_blocking=True)
         size = next(s for s in self.sizes if s >= n)
         if size not in self.graphs:
-            self.graphs[size] = self._capture(size)
+            self.graphs[size] = self._capture(model, size)
         graph, logits = self.graphs[size]
         graph.replay()
         return logits[:n]
 
-    def _capture(self, size):
+    def _capture(self, model, size):
         step = _Namespace(**{name: t[:size + 1 if name == "query_start_loc" else size]
                              for name, t in self.inputs.items()})
         # Run it once first: Triton compiles a kernel at its first launch, which a
         # capture must not see. Both runs write the same K/V into the same slots.
-        _forward(self.model, self.caches, step, self.kernels)
+        _forward(model, self.caches, step, self.kernels)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self.pool):  # one memory pool for every size
-            logits = _forward(self.model, self.caches, step, self.kernels)
+            logits = _forward(model, self.caches, step, self.kernels)
         self.pool = graph.pool()
         return graph, logits
+
+
+# On a GPU a model's engine outlives one generate, as a server's does: the cache and the
+# decode graphs its first generate made serve every later call that fits in them (vLLM and
+# nano-vllm allocate the cache and capture their graphs once, at start-up). Capturing costs
+# two forward passes per batch size, which would otherwise come back with every call. Kept
+# by a weak reference: the entry goes when the model does (nothing in it refers back to it).
+_ENGINES = weakref.WeakKeyDictionary()  # model -> (caches, DecodeGraphs)
+
+
+def _engine(model, shape, like, kernels, max_seqs, max_blocks):
+    """The model's kept caches and graphs if this call fits in them, else new ones, kept."""
+    caches, graphs = _ENGINES.get(model, (None, None))
+    if caches is None or caches[0][0].dtype != like["dtype"] or caches[0][0].device != like["device"] or \
+            caches[0][0].shape[1:] != shape[1:] or len(caches[0][0]) < shape[0] or \
+            graphs.table.shape[0] < max_seqs or graphs.table.shape[1] < max_blocks:
+        _ENGINES.pop(model, None)  # its graphs' memory goes before the new cache is made
+        caches = [(torch.zeros(shape, **like), torch.zeros(shape, **like)) for _ in model.model.layers]
+        graphs = DecodeGraphs(caches, kernels, max_seqs, max_blocks)
+        _ENGINES[model] = caches, graphs
+    return caches, graphs
 
 
 def _eos_ids(model):
@@ -322,21 +344,22 @@ def generate(model, prompts, max_new_tokens, *, block_size=16, num_blocks=None, 
     head_dim = model.model.layers[0].self_attn.head_dim
     like = dict(dtype=model.lm_head.weight.dtype, device=model.lm_head.weight.device)
     shape = (num_blocks, block_size, config.num_key_value_heads, head_dim)
-    caches = [(torch.zeros(shape, **like), torch.zeros(shape, **like)) for _ in model.model.layers]
+    # Graphs only on a GPU and with the tree's own kernels: kernels handed in may look at
+    # their arguments on the host (a tracer, a checker), which a replay would skip.
+    if own_kernels and like["device"].type == "cuda":
+        caches, graphs = _engine(model, shape, like, kernels, len(prompts), max(need))
+    else:
+        caches, graphs = [(torch.zeros(shape, **like), torch.zeros(shape, **like)) for _ in model.model.layers], None
     blocks, eos = BlockManager(num_blocks, block_size), _eos_ids(model)
     requests = [Request(i, p, n) for i, (p, n) in enumerate(zip(prompts, counts))]
     sched = Scheduler(blocks, max_num_batched_tokens, requests)
-    # Graphs only on a GPU and with the tree's own kernels: kernels handed in may look at
-    # their arguments on the host (a tracer, a checker), which a replay would skip.
-    replayable = own_kernels and like["device"].type == "cuda"
-    graphs = DecodeGraphs(model, caches, kernels, len(prompts), max(need)) if replayable else None
     while sched.waiting or sched.running:
         batch = sched.schedule()
         if not batch:
             raise RuntimeError(f"the scheduler made no progress: {blocks.num_free_blocks} of {num_blocks} blocks "
                                f"free, {len(sched.waiting)} waiting, {len(sched.running)} running")
         if graphs and all(n == 1 for _, n in batch):  # a decode step (or prompts' 1-token chunks)
-            logits = graphs(blocks, batch)
+            logits = graphs(model, blocks, batch)
         else:
             logits = _forward(model, caches, _prepare(blocks, batch, like["device"]), kernels)
         next_ids = logits.argmax(dim=-1).tolist()
