@@ -293,6 +293,10 @@ class DecodeGraphs:
         return graph, logits
 
 
+# Where decode steps replay as CUDA graphs: a GPU (tests/test_meta.py checks this path on
+# the CPU with a stand-in for the graph).
+_GRAPH_DEVICES = ("cuda",)
+
 # On a GPU a model's engine outlives one generate, as a server's does: the cache and the
 # decode graphs its first generate made serve every later call that fits in them (vLLM and
 # nano-vllm allocate the cache and capture their graphs once, at start-up). Capturing costs
@@ -346,7 +350,7 @@ def generate(model, prompts, max_new_tokens, *, block_size=16, num_blocks=None, 
     shape = (num_blocks, block_size, config.num_key_value_heads, head_dim)
     # Graphs only on a GPU and with the tree's own kernels: kernels handed in may look at
     # their arguments on the host (a tracer, a checker), which a replay would skip.
-    if own_kernels and like["device"].type == "cuda":
+    if own_kernels and like["device"].type in _GRAPH_DEVICES:
         caches, graphs = _engine(model, shape, like, kernels, len(prompts), max(need))
     else:
         caches, graphs = [(torch.zeros(shape, **like), torch.zeros(shape, **like)) for _ in model.model.layers], None

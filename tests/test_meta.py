@@ -70,8 +70,9 @@ def test_every_stub_raises_not_implemented(stem):
 
 @pytest.mark.parametrize("tree", ["mine", "solutions"])
 def test_trees_import_nothing_from_tests_or_each_other(tree):
-    # importlib and sys: E1's engine loads L1 and L3 from its own folder by path (never by name).
-    allowed = {"torch", "triton", "math", "os", "typing", "functools", "importlib", "sys"}
+    # importlib and sys: E1's engine loads L1 and L3 from its own folder by path (never by name);
+    # weakref: it keeps a model's cache and graphs no longer than the model.
+    allowed = {"torch", "triton", "math", "os", "typing", "functools", "importlib", "sys", "weakref"}
     for path in (ROOT / tree).glob("*.py"):
         for node in ast.walk(ast.parse(path.read_text())):
             if isinstance(node, ast.Import):
@@ -133,3 +134,43 @@ def test_the_recipe_check_catches_a_planted_docstring():
                      "saturated to +-448 (e4m3fn) or 57344 (e5m2); int32 or int64, fp32, float8_e4m3fn.",
                      "kv_indptr [B+1]: kv_indptr[0] = 0; a 5-D tensor; see content/l4.md §5.3 and triton-lang/triton#11584."):
         assert recipe_in_docstring(contract) == [], (contract, recipe_in_docstring(contract))
+
+
+def test_reference_engines_decode_graphs_replay_the_eager_steps(monkeypatch):
+    """The reference engine's CUDA-graph path (solutions/e1_paged_engine.py, DecodeGraphs),
+    which only a GPU runs, checked here: a stand-in for the graph re-runs the step's
+    forward on the buffers a capture records, so every replayed step reads what
+    DecodeGraphs wrote into them. Through batches that shrink, padded rows, preemption
+    and a second generate on the kept cache and graphs, the tokens are the eager engine's."""
+    import torch
+    from drills.e1.cases import tiny_model
+    engine = load_drill("solutions", "e1_paged_engine")
+
+    def capture(graphs, model, size):
+        step = engine._Namespace(**{name: t[:size + 1 if name == "query_start_loc" else size]
+                                    for name, t in graphs.inputs.items()})
+        logits = engine._forward(model, graphs.caches, step, graphs.kernels).clone()
+
+        def replay():
+            logits.copy_(engine._forward(model, graphs.caches, step, graphs.kernels))
+        return type("Graph", (), {"replay": staticmethod(replay)}), logits
+    steps, frees, call, free = [], [], engine.DecodeGraphs.__call__, engine.BlockManager.free
+    monkeypatch.setattr(engine, "_GRAPH_DEVICES", ("cpu",))
+    monkeypatch.setattr(torch.Tensor, "pin_memory", lambda self: self)
+    monkeypatch.setattr(engine.DecodeGraphs, "_capture", capture)
+    monkeypatch.setattr(engine.DecodeGraphs, "__call__", lambda g, m, b, batch: steps.append(len(batch)) or
+                        call(g, m, b, batch))
+    monkeypatch.setattr(engine.BlockManager, "free", lambda b, seq: frees.append(seq) or free(b, seq))
+    model = tiny_model(seed=5)
+    prompts = [[3, 9, 1], [7], [2, 2, 5, 8, 1, 4, 6], [11, 4], [5, 5, 5, 5, 5], [1, 30, 2]]
+    new, args = [6, 3, 5, 7, 2, 6], dict(block_size=2, num_blocks=9, max_num_batched_tokens=8)
+    eager = engine.generate(model, prompts, new, kernels=engine._tree_kernels(), **args)
+    assert not steps
+    frees.clear()
+    assert engine.generate(model, prompts, new, **args) == eager
+    replayed = list(steps)
+    assert replayed and len(frees) > len(prompts), "the case must replay steps and preempt"
+    graphs = engine._ENGINES[model][1]
+    assert any(n not in graphs.sizes for n in replayed), "the case must pad a batch"
+    assert engine.generate(model, prompts, new, **args) == eager  # the kept cache and graphs
+    assert engine._ENGINES[model][1] is graphs
