@@ -300,8 +300,9 @@ _GRAPH_DEVICES = ("cuda",)
 # On a GPU a model's engine outlives one generate, as a server's does: the cache and the
 # decode graphs its first generate made serve every later call that fits in them (vLLM and
 # nano-vllm allocate the cache and capture their graphs once, at start-up). Capturing costs
-# two forward passes per batch size, which would otherwise come back with every call. Kept
-# by a weak reference: the entry goes when the model does (nothing in it refers back to it).
+# two forward passes per batch size, which would otherwise come back with every call. The
+# graphs read the weights where they were captured: like a server's, they must stay there.
+# Kept by a weak reference: the entry goes when the model does (nothing in it refers to it).
 _ENGINES = weakref.WeakKeyDictionary()  # model -> (caches, DecodeGraphs)
 
 
