@@ -280,9 +280,13 @@ class DecodeGraphs:
         graph.replay()
         return logits[:n]
 
-    def _capture(self, model, size):
-        step = _Namespace(**{name: t[:size + 1 if name == "query_start_loc" else size]
+    def _step(self, size):
+        """The first `size` rows of the input buffers: what a graph of that size reads."""
+        return _Namespace(**{name: t[:size + 1 if name == "query_start_loc" else size]
                              for name, t in self.inputs.items()})
+
+    def _capture(self, model, size):
+        step = self._step(size)
         # Run it once first: Triton compiles a kernel at its first launch, which a
         # capture must not see. Both runs write the same K/V into the same slots.
         _forward(model, self.caches, step, self.kernels)
@@ -306,6 +310,11 @@ _GRAPH_DEVICES = ("cuda",)
 _ENGINES = weakref.WeakKeyDictionary()  # model -> (caches, DecodeGraphs)
 
 
+def _caches(model, shape, like):
+    """A zeroed (K cache, V cache) pair per layer."""
+    return [(torch.zeros(shape, **like), torch.zeros(shape, **like)) for _ in model.model.layers]
+
+
 def _engine(model, shape, like, kernels, max_seqs, max_blocks):
     """The model's kept caches and graphs if this call fits in them, else new ones, kept."""
     caches, graphs = _ENGINES.get(model, (None, None))
@@ -313,7 +322,7 @@ def _engine(model, shape, like, kernels, max_seqs, max_blocks):
             caches[0][0].shape[1:] != shape[1:] or len(caches[0][0]) < shape[0] or \
             graphs.table.shape[0] < max_seqs or graphs.table.shape[1] < max_blocks:
         _ENGINES.pop(model, None)  # its graphs' memory goes before the new cache is made
-        caches = [(torch.zeros(shape, **like), torch.zeros(shape, **like)) for _ in model.model.layers]
+        caches = _caches(model, shape, like)
         graphs = DecodeGraphs(caches, kernels, max_seqs, max_blocks)
         _ENGINES[model] = caches, graphs
     return caches, graphs
@@ -354,7 +363,7 @@ def generate(model, prompts, max_new_tokens, *, block_size=16, num_blocks=None, 
     if own_kernels and like["device"].type in _GRAPH_DEVICES:
         caches, graphs = _engine(model, shape, like, kernels, len(prompts), max(need))
     else:
-        caches, graphs = [(torch.zeros(shape, **like), torch.zeros(shape, **like)) for _ in model.model.layers], None
+        caches, graphs = _caches(model, shape, like), None
     blocks, eos = BlockManager(num_blocks, block_size), _eos_ids(model)
     requests = [Request(i, p, n) for i, (p, n) in enumerate(zip(prompts, counts))]
     sched = Scheduler(blocks, max_num_batched_tokens, requests)
