@@ -109,6 +109,23 @@ def check_integrity(grade, before):
                 s["status"], s["problem"] = "failing", f"this pass is withdrawn: {says}"
 
 
+def time_drill(grade, bench, ceiling, timeout, spinner):
+    """The bench of the drill just graded: timed if it passed (the ceiling measured first,
+    once a grade), else ended."""
+    s = grade["drills"][-1]
+    if s["status"] != "passed":
+        return bench.cancel()
+    try:
+        spinner.update("measuring the copy ceiling...")
+        grade["ceiling_gbps"] = ceiling.gbps(timeout)
+    except RuntimeError as error:
+        bench.cancel()
+        s["bench"] = dict(error=str(error))
+        return
+    spinner.update(f"timing {s['id'].upper()}...")
+    s["bench"] = cleaned(bench.result(grade["ceiling_gbps"], timeout))
+
+
 def main(argv=None):
     argv = sys.argv[1:] if argv is None else argv
     if argv and argv[0] in COMMANDS:
@@ -139,15 +156,26 @@ def main(argv=None):
     printer.header()
     # The spinner only on a terminal: in a log it would print nothing useful, or a line per update.
     quiet = contextlib.nullcontext(SimpleNamespace(update=lambda text: None))
+    # On a GPU a drill that passes is timed right after its tests: its bench process (and the
+    # copy ceiling's, once) started with the tests, so their imports and compiles overlap them.
+    timing, ceiling = not _env.INTERPRET and not args.no_bench, None
+    if timing:
+        import _bench  # Triton's testing helpers: only where there is a GPU to time
     with console.status("grading...") if console.is_terminal else quiet as spinner, \
             tempfile.TemporaryDirectory() as workdir:
         for drill in drills:
             spinner.update(f"grading {drill.id.upper()} {drill.title}...")
+            bench = _bench.Bench(drill, tree) if timing and not _grading.is_untouched_stub(drill, tree) else None
+            ceiling = ceiling or (bench and _bench.Ceiling())
             grade["drills"].append(grade_one(drill, tree, args, workdir, spinner, console))
+            if bench:
+                time_drill(grade, bench, ceiling, args.timeout, spinner)
             # Nothing the learner's code started may outlive its drill and touch what comes next.
             grade["leftover_processes_killed"] += kill_leftovers(keep=live_pids())
             check_integrity(grade, before)
             printer.drill(grade["drills"][-1])
+        if ceiling:
+            ceiling.cancel()
 
         if _env.INTERPRET:
             grade["bench_note"] = "needs a GPU; here kernels run in Triton's CPU interpreter (correctness only)"
@@ -155,14 +183,6 @@ def main(argv=None):
             grade["bench_note"] = "skipped (--no-bench)"
         elif not any(s["status"] == "passed" for s in grade["drills"]):
             grade["bench_note"] = "shown for drills that pass their tests"
-        else:
-            import _bench  # Triton's testing helpers: only where there is a GPU to time
-            spinner.update("measuring the copy ceiling...")
-            grade["ceiling_gbps"] = _bench.ceiling_in_subprocess(args.timeout)
-            for s, drill in zip(grade["drills"], drills):
-                if s["status"] == "passed":
-                    spinner.update(f"timing {drill.id.upper()}...")
-                    s["bench"] = cleaned(_bench.in_subprocess(drill, tree, grade["ceiling_gbps"], args.timeout))
     # Nothing the learner's code started may outlive the grade and touch what it writes.
     grade["leftover_processes_killed"] += kill_leftovers(keep=live_pids())
     check_integrity(grade, before)

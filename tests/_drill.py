@@ -87,8 +87,9 @@ class Drill:
     mistakes: dict = field(default_factory=dict)    # {name: Mistake}
     bench: tuple = ()            # BenchCase, ...
     bench_work: Callable = None  # (module, params, device, n_sets) -> (ours, {name: (baseline, graph_safe)})
-    bench_run: Callable = None   # (module, ceiling) -> [case result]: a bench that is one long run (a whole
-                                 # generate), timed once by the drill itself instead of the cases above;
+    bench_run: Callable = None   # (module, start) -> [case result]: a bench that is one long run (a whole
+                                 # generate), timed once by the drill itself instead of the cases above,
+                                 # start() once warm (tests/_bench.py's bench_drill says what it does);
                                  # each row {name, unit, ours: {us, rate}, baselines: {name: {us, rate}}, tier}
     picture: Callable = None     # (module, console) -> None: run the learner's code on a small case and draw it
     draw_case: Callable = None   # (saved case, console) -> None: draw a failing case the tests saved

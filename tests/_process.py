@@ -55,27 +55,63 @@ def run_process(cmd, timeout, env=None, pass_fds=(), untrusted=False):
     output goes to files, not pipes: a process it leaves behind holding a pipe end cannot
     make us wait, and every wait here is bounded. untrusted=True (it will run the learner's
     code itself) gives it only `allowed_env()` of ours."""
-    # One thread per child: the tensors are tiny, and two graders side by side on a
-    # 2-core machine would otherwise oversubscribe it several times over.
-    with tempfile.TemporaryFile() as out, tempfile.TemporaryFile() as err:
+    return Child(cmd, env, pass_fds, untrusted).wait(timeout)
+
+
+class Child:
+    """A process started now and waited for later (`run_process` is both at once), so that
+    its start-up (imports, a tree loaded, kernels compiled) overlaps other work. With
+    gated=True its standard input is a pipe that `wait` writes one line to (and closes)
+    before it waits: the child reads it as its signal to go on (the grade's bench times
+    nothing while the tests still run). `kill` ends it unwaited-for."""
+
+    def __init__(self, cmd, env=None, pass_fds=(), untrusted=False, gated=False):
+        # One thread per child: the tensors are tiny, and two graders side by side on a
+        # 2-core machine would otherwise oversubscribe it several times over.
+        self.out, self.err = tempfile.TemporaryFile(), tempfile.TemporaryFile()
         with _STARTING:
-            proc = subprocess.Popen(cmd, cwd=ROOT, stdout=out, stderr=err, stdin=subprocess.DEVNULL,
-                                    start_new_session=True, pass_fds=pass_fds, preexec_fn=die_with_parent,
-                                    env={"OMP_NUM_THREADS": "1", **(allowed_env() if untrusted else os.environ),
-                                         **(env or {})})
-            _CHILDREN.add(proc.pid)
+            self.proc = subprocess.Popen(cmd, cwd=ROOT, stdout=self.out, stderr=self.err,
+                                         stdin=subprocess.PIPE if gated else subprocess.DEVNULL,
+                                         start_new_session=True, pass_fds=pass_fds, preexec_fn=die_with_parent,
+                                         env={"OMP_NUM_THREADS": "1", **(allowed_env() if untrusted else os.environ),
+                                              **(env or {})})
+            _CHILDREN.add(self.proc.pid)
+
+    def wait(self, timeout, line=None):
+        """(returncode or None if killed at the time limit, stdout, stderr), `line` sent
+        first to a gated child. What the child left behind in its group goes with it."""
+        if self.proc.stdin:
+            try:  # one short line: it fits the pipe's buffer, so this never blocks
+                self.proc.stdin.write(f"{'' if line is None else line}\n".encode())
+                self.proc.stdin.close()
+            except OSError:  # the child is gone, or closed its end: its exit code says why
+                pass
         try:
-            code = proc.wait(timeout=timeout)
+            code = self.proc.wait(timeout=timeout)
         except subprocess.TimeoutExpired:
             code = None
         finally:
-            kill_group(proc.pid)  # what the child left behind in its group goes with it
-            _CHILDREN.discard(proc.pid)
+            self._end()
+        out, err = _read(self.out), _read(self.err)
+        self.out.close(), self.err.close()
+        return code, out, err
+
+    def kill(self):
+        self._end()
+        self.out.close(), self.err.close()
+
+    def _end(self):
+        kill_group(self.proc.pid)
+        _CHILDREN.discard(self.proc.pid)
+        try:
+            self.proc.wait(5)
+        except subprocess.TimeoutExpired:
+            pass
+        if self.proc.stdin and not self.proc.stdin.closed:
             try:
-                proc.wait(5)
-            except subprocess.TimeoutExpired:
+                self.proc.stdin.close()
+            except OSError:
                 pass
-        return code, _read(out), _read(err)
 
 
 def _read(f, limit=1 << 20):

@@ -269,31 +269,6 @@ def test_equal_speeds_read_the_same_speed():
     assert _render.compared(10.0, 36.0) == "3.60× slower"
 
 
-def test_e1s_bench_row_is_the_engines_tokens_per_s_beside_generate(monkeypatch):
-    """On a GPU E1's bench is one timed run each (a whole generate), not a kernel the
-    harness repeats: the grade's table gets a row of it (it printed a header and no row),
-    with tokens/s for the engine and for transformers' generate and how many times faster.
-    The GPU's measurement is faked here; `grader.py e1 --tree solutions` on a GPU runs it."""
-    from rich.console import Console
-
-    import _bench
-    import _render
-    from drills.e1 import bench as e1_bench
-    measured = dict(engine_tokens_per_s=3819, transformers_tokens_per_s=987, speedup=3.87, engine_s=2.15,
-                    transformers_s=8.3, prefill_s=0.175, decode_step_ms=15.51, decode_floor_ms=0.8)
-    asked = []
-    monkeypatch.setattr(e1_bench, "measure", lambda module, **kw: asked.append(kw) or measured)
-    cases = _bench.bench_drill(BY_ID["e1"], "solutions", 4200.0)
-    assert asked == [dict(ceiling=4200.0, extras=False)]  # the grade's run: the ceiling it measured, no extras
-    out = io.StringIO()
-    _render._bench_table(Console(file=out, width=200),
-                         dict(ceiling_gbps=4200.0, drills=[dict(id="e1", bench=dict(cases=cases))]))
-    rows = [" ".join(line.split()) for line in out.getvalue().splitlines()[2:]]
-    assert rows == ["E1 1B llama, 64 x (512 + 128) 2.15 s 3819 tokens/s transformers generate 987 tokens/s "
-                    "3.87× faster"], out.getvalue()
-    assert json.loads(json.dumps(cases)) == cases  # the bench process hands it back as JSON
-
-
 def test_a_pass_says_its_milestones_what_it_left_out_and_whose_kernels_ran():
     """make grade DRILL=e1 KERNELS=solutions: the row says whose L1 and L3 ran, each skipped
     test is said with its reason, and a milestone test that passed (SmolLM2) gets its line."""

@@ -114,13 +114,15 @@ def decode_step_times(module, model, context, num_seqs, device="cuda"):
     return dict(eager_ms=round(eager, 2), graph_ms=round(replay, 2), graph_logits_equal=same)
 
 
-def measure(module, device="cuda", params=_PARAMS, ceiling=None, extras=True, shape=MODEL):
+def measure(module, device="cuda", params=_PARAMS, start=None, extras=True, shape=MODEL):
     """One timed run each (a whole generate is seconds: no repeats), after a warm-up with
     the same workload (the first run compiles the kernels for every shape it meets): the
     engine's tokens/s as it serves (kernels=None: the reference replays decode steps as
     CUDA graphs) and transformers' batched `generate`, and the engine's decode step,
-    (T(new) - T(1)) / (new - 1), against its floor (bytes over the ceiling, measured here
-    unless given). extras: also the engine eager (kernels= handed in: no graphs),
+    (T(new) - T(1)) / (new - 1), against its floor (bytes over the copy ceiling). `start()`,
+    called once all is warm and before anything is timed, returns the ceiling (the grade's
+    bench, tests/_bench.py: it returns when the tests are done); without it the ceiling is
+    measured here. extras: also the engine eager (kernels= handed in: no graphs),
     transformers' continuous batching (`generate_batch`) and one decode step's forward
     eager and as a graph (the grade's row leaves them out: they cost it time, not its row)."""
     from _bench import copy_ceiling_gbps
@@ -147,20 +149,18 @@ def measure(module, device="cuda", params=_PARAMS, ceiling=None, extras=True, sh
                 model.generate(p, attention_mask=torch.ones_like(p), max_new_tokens=new, min_new_tokens=new,
                                do_sample=False)
         return run
-    # transformers first, before the engine has run in this process: after it, in the grade's
-    # bench process, generate ran 5 to 15 times slower, for a reason not yet found (BENCHMARKS.md, E1).
-    timed(hf(4))  # warm
+    own = extras and hasattr(module, "_tree_kernels") and module._tree_kernels()  # the engine's eager path
+    timed(hf(4))  # warm-ups: the first run of each compiles the kernels for the shapes it meets
+    timed(engine(params["new"]))
+    if own:
+        timed(engine(4, own))  # its step tensors are int32, the graphs' int64, so Triton compiles again
+    ceiling = start() if start else copy_ceiling_gbps()
     theirs = timed(hf(params["new"]))
-    timed(engine(params["new"]))  # compile and warm
     full, one = timed(engine(params["new"])), timed(engine(1))
-    eager = None
-    if extras and hasattr(module, "_tree_kernels"):  # the same kernels, handed in: the engine's eager path
-        own = module._tree_kernels()
-        timed(engine(4, own))  # warm: its step tensors are int32, the graphs' int64, so Triton compiles again
-        eager = timed(engine(params["new"], own))
+    eager = timed(engine(params["new"], own)) if own else None
     step = (full - one) / (params["new"] - 1)
     mean_context = params["prompt"] + params["new"] // 2
-    floor = decode_step_bytes(params["num_seqs"], mean_context, **shape) / ((ceiling or copy_ceiling_gbps()) * 1e9)
+    floor = decode_step_bytes(params["num_seqs"], mean_context, **shape) / (ceiling * 1e9)
     result = dict(engine_tokens_per_s=round(tokens / full), transformers_tokens_per_s=round(tokens / theirs),
                   speedup=round(theirs / full, 2), engine_s=round(full, 2), transformers_s=round(theirs, 2),
                   prefill_s=round(one, 3), decode_step_ms=round(step * 1e3, 2),
@@ -173,11 +173,11 @@ def measure(module, device="cuda", params=_PARAMS, ceiling=None, extras=True, sh
     return result
 
 
-def bench_rows(module, ceiling):
+def bench_rows(module, start):
     """The grade's bench row (the Drill's `bench_run`, tests/_bench.py): the engine's tokens/s
     beside transformers' batched `generate` on BENCH's workload, each timed once after a
     warm-up, and the ratio; what else was measured rides along as `measured`."""
-    return rows_of(measure(module, ceiling=ceiling, extras=False))
+    return rows_of(measure(module, start=start, extras=False))
 
 
 def rows_of(measured, params=_PARAMS):
