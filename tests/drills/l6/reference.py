@@ -30,20 +30,22 @@ def prefix_len_rule(block_table, query_start_loc, seq_lens, block_size, cap=True
 
 def ref_cascade(query, k_cache, v_cache, block_table, query_start_loc, seq_lens, common_prefix_len, scale=None,
                 mistake=None, kv_heads=(None, None)):
-    """float64 on the CPU, [total_q, H_q, D]: token t of sequence b, at position pos,
+    """float64, [total_q, H_q, D] on the CPU: token t of sequence b, at position pos,
     attends to its keys 0..pos. The keyword `mistake` computes a wrong kernel's answer:
     "prefix_causal" (pass 1 under FlashAttention's bottom-right causal mask over the
     batch as one sequence: token t sees prefix keys 0..P - total_q + t), "prefix_causal_tl"
     (top-left: 0..t), "prefix_twice" (pass 2 starts at key 0: the prefix counted twice),
     "swapped" (the merge weighs the prefix's v by the suffix's LSE and the other way);
     "no_prefix" / "no_suffix", one part alone. `kv_heads`: (the prefix's, the suffix's) KV
-    head of each query head, [H_q] each, None for h // group (a head mapping's mistakes)."""
+    head of each query head, [H_q] each, None for h // group (a head mapping's mistakes).
+    Computed on the inputs' device: on one CPU thread, L6's 8192-key GPU test took 22 s."""
     total_q, num_heads, head_size = query.shape
     block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
     scale = 1.0 / math.sqrt(head_size) if scale is None else scale
     group = num_heads // num_kv_heads
-    kv_head = torch.arange(num_heads) // group
-    prefix_heads, suffix_heads = (kv_head if m is None else torch.as_tensor(m).long() for m in kv_heads)
+    device = query.device
+    kv_head = torch.arange(num_heads, device=device) // group
+    prefix_heads, suffix_heads = (kv_head if m is None else torch.as_tensor(m, device=device).long() for m in kv_heads)
     # With one head mapping for both parts, query heads are read in groups against the KV
     # heads as stored; copying K and V out to every query head (as a mistake's mapping or
     # the swapped merge needs) took a minute a call for L6's 8192-key GPU test.
@@ -51,12 +53,12 @@ def ref_cascade(query, k_cache, v_cache, block_table, query_start_loc, seq_lens,
     starts = query_start_loc.long().cpu().tolist()
     lens = seq_lens.long().cpu().tolist()
     table = block_table.long().cpu()
-    q = query.double().cpu()
+    q = query.double()
     prefix = common_prefix_len
-    out = torch.zeros(total_q, num_heads, head_size, dtype=torch.float64)
+    out = torch.zeros(total_q, num_heads, head_size, dtype=torch.float64, device=device)
     for b, n in enumerate(lens):
         blocks = table[b, :math.ceil(n / block_size)]
-        k, v = (c[blocks.to(c.device)].double().cpu().reshape(-1, num_kv_heads, head_size)[:n]
+        k, v = (c[blocks.to(c.device)].double().to(device).reshape(-1, num_kv_heads, head_size)[:n]
                 for c in (k_cache, v_cache))
         if not grouped:
             k, v = (_by_part(kv, prefix, prefix_heads, suffix_heads) for kv in (k, v))
@@ -64,7 +66,7 @@ def ref_cascade(query, k_cache, v_cache, block_table, query_start_loc, seq_lens,
         for t in range(starts[b], starts[b + 1]):
             pos = n - q_len + (t - starts[b])
             s = _scores(q[t], k[:pos + 1], group if grouped else 1) * scale  # [H_q, keys]
-            keys = torch.arange(pos + 1)
+            keys = torch.arange(pos + 1, device=device)
             in_prefix = keys < prefix
             if mistake == "prefix_twice":
                 s = s + torch.where(in_prefix, math.log(2.0), 0.0)
@@ -77,7 +79,7 @@ def ref_cascade(query, k_cache, v_cache, block_table, query_start_loc, seq_lens,
                 out[t] = _swapped(s, v[:pos + 1], in_prefix)
             elif bool(torch.isfinite(s).any()):
                 out[t] = _weighted(s.softmax(-1), v[:pos + 1], group if grouped else 1)
-    return out
+    return out.cpu()
 
 
 def _scores(q, k, group):
@@ -92,7 +94,7 @@ def _weighted(p, v, group):
 
 def _by_part(kv, prefix, prefix_heads, suffix_heads):
     """[keys, H_kv, D] -> [keys, H_q, D]: keys before `prefix` read through prefix_heads, the rest suffix_heads."""
-    in_prefix = (torch.arange(kv.shape[0]) < prefix)[:, None, None]
+    in_prefix = (torch.arange(kv.shape[0], device=kv.device) < prefix)[:, None, None]
     return torch.where(in_prefix, kv[:, prefix_heads], kv[:, suffix_heads])
 
 
@@ -101,8 +103,8 @@ def _swapped(s, v, in_prefix):
     def part(mask):
         sm = s[:, mask]
         if sm.shape[1] == 0:
-            return torch.zeros(s.shape[0], v.shape[-1], dtype=s.dtype), torch.full((s.shape[0],), float("-inf"),
-                                                                                    dtype=s.dtype)
+            return (torch.zeros(s.shape[0], v.shape[-1], dtype=s.dtype, device=s.device),
+                    torch.full((s.shape[0],), float("-inf"), dtype=s.dtype, device=s.device))
         return torch.einsum("hk,khd->hd", sm.softmax(-1), v[mask]), torch.logsumexp(sm, -1)
     (v_p, s_p), (v_s, s_s) = part(in_prefix), part(~in_prefix)
     top = torch.maximum(s_p, s_s)
