@@ -283,6 +283,24 @@ def _rate(case):
     return ("tflops", "TFLOP/s") if case.get("compute_bound") else ("gbps", "GB/s")
 
 
+def drawable(bench):
+    """Whether a bench result has what the table reads (names, positive times, rates): it
+    comes from a process that ran the learner's code, and a row it cannot draw would end
+    the grade."""
+    def row(r, rate):
+        return isinstance(r, dict) and all(isinstance(r.get(k), (int, float)) for k in ("us", rate)) and r["us"] > 0
+
+    def case_ok(case):
+        if not isinstance(case, dict) or not all(isinstance(case.get(k), str) for k in ("name", "tier")):
+            return False
+        rate, _ = _rate(case)
+        baselines = case.get("baselines")
+        return (row(case.get("ours"), rate) and isinstance(case["ours"].get("of_ceiling", 0), (int, float))
+                and isinstance(case.get("unit") or "", str) and isinstance(baselines, dict)
+                and all(isinstance(name, str) and row(base, rate) for name, base in baselines.items()))
+    return isinstance(bench, dict) and isinstance(bench.get("cases"), list) and all(map(case_ok, bench["cases"]))
+
+
 def _bench_table(console, grade):
     console.print(f"[bold]bandwidth[/] · copy ceiling {grade['ceiling_gbps']:.0f} GB/s "
                   f"(1 GiB device-to-device copy, measured here)")
@@ -293,8 +311,11 @@ def _bench_table(console, grade):
         bench = cleaned(s.get("bench"))
         if not bench:
             continue
-        if "error" in bench:  # Text, not markup: the error is the learner's process's output
-            table.add_row(s["id"].upper(), Text("bench failed", style="red"), Text(bench["error"][:60]))
+        if not isinstance(bench, dict) or "error" in bench or not drawable(bench):
+            # Text, not markup: the error is the learner's process's output
+            error = bench.get("error") if isinstance(bench, dict) else None
+            table.add_row(s["id"].upper(), Text("bench failed", style="red"),
+                          Text(str(error or "its output is not a bench result")[:60]))
             continue
         for case in bench["cases"]:
             ours = case["ours"]

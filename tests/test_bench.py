@@ -106,3 +106,29 @@ def test_a_gated_child_starts_now_and_goes_on_when_told():
     ended = _process.Child([sys.executable, "-c", code], gated=True)
     ended.kill()
     assert ended.proc.poll() is not None and ended.proc.pid not in _process._CHILDREN
+
+
+def test_a_bench_process_that_writes_something_else_gets_a_failed_row_not_a_crash():
+    """The bench process runs the learner's code, which may print after the bench's JSON or
+    print JSON of its own: that drill's row says "bench failed" and the grade goes on (a row
+    the table cannot draw, a zero time, a string for a number, would have ended it)."""
+    from rich.console import Console
+
+    import _bench
+    import _render
+    case = dict(name="T=1", tier="good", ours=dict(us=2.0, gbps=10.0, of_ceiling=0.5),
+                baselines={"torch": dict(us=4.0, gbps=5.0)})
+    bad = ["", "not json", json.dumps([1]), json.dumps(dict(cases=5)), json.dumps(dict(cases=[dict(case, name=3)])),
+           json.dumps(dict(cases=[dict(case, ours=dict(us=0, gbps=1.0))])),
+           json.dumps(dict(cases=[dict(case, baselines={"torch": dict(us="4", gbps=5.0)})])),
+           json.dumps(dict(cases=[dict(case, unit="tokens/s")]))]  # a self-timed row has `rate`, not `gbps`
+
+    def drawn(bench):
+        out = io.StringIO()
+        _render._bench_table(Console(file=out, width=200), dict(ceiling_gbps=1.0, drills=[dict(id="l1", bench=bench)]))
+        return " ".join(out.getvalue().split())
+    for out in bad:
+        assert "L1 bench failed" in drawn(_bench.read_result(0, out, "")), out
+    good = _bench.read_result(0, "printed by the learner\n" + json.dumps(dict(cases=[case])), "")
+    assert _render.drawable(good) and "L1 T=1 2.0 µs 10 GB/s 50.0 % good torch 5 GB/s 2.00× faster" in drawn(good)
+    assert _bench.read_result(None, "", "")["error"] == "timed out"
