@@ -166,7 +166,8 @@ def main(argv=None):
         for drill in drills:
             spinner.update(f"grading {drill.id.upper()} {drill.title}...")
             bench = _bench.Bench(drill, tree) if timing and not _grading.is_untouched_stub(drill, tree) else None
-            ceiling = ceiling or (bench and _bench.Ceiling())
+            if bench and ceiling is None:
+                ceiling = _bench.Ceiling()
             grade["drills"].append(grade_one(drill, tree, args, workdir, spinner, console))
             if bench:
                 time_drill(grade, bench, ceiling, args.timeout, spinner)

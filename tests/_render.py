@@ -311,7 +311,7 @@ def _bench_table(console, grade):
         bench = cleaned(s.get("bench"))
         if not bench:
             continue
-        if not isinstance(bench, dict) or "error" in bench or not drawable(bench):
+        if not drawable(bench):  # an error, or what the table cannot draw
             # Text, not markup: the error is the learner's process's output
             error = bench.get("error") if isinstance(bench, dict) else None
             table.add_row(s["id"].upper(), Text("bench failed", style="red"),

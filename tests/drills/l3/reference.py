@@ -7,10 +7,10 @@ import torch
 
 def ref_paged_prefill(query, k_cache, v_cache, block_table, query_start_loc, seq_lens, scale=None,
                       mask="bottom_right", kv_head=None):
-    """float64, on the CPU: every query token's attention over its sequence's cache,
-    gathered through the block table, under the bottom-right causal mask. Computed on the
-    inputs' device (a GPU test's chunks of hundreds of queries took seconds a call on one
-    CPU thread).
+    """float64, returned on the CPU: every query token's attention over its sequence's
+    cache, gathered through the block table, under the bottom-right causal mask. Computed
+    on the inputs' device (a GPU test's chunks of hundreds of queries took seconds a call
+    on one CPU thread).
 
     The keyword arguments compute mistakes for the diagnosis: mask "top_left" (query i
     sees keys 0..i: no seq_len - q_len offset), "chunk_only" (keys context_len..pos:
