@@ -18,7 +18,9 @@ and it times nothing until the tests are done (`start`, below). How it measures
 """
 import json
 import math
+import shutil
 import sys
+import tempfile
 
 import _env
 import torch
@@ -102,14 +104,21 @@ class Bench:
     did not pass)."""
 
     def __init__(self, drill, tree):
+        # Its scratch folder is made here and handed in, so that it is removed however the
+        # process ends (a cancelled bench is killed).
+        self.scratch = tempfile.mkdtemp(prefix="drills-bench-")
         self.child = Child([sys.executable, "tests/_entry.py", "bench", "--drill", drill.id, "--tree", str(tree),
-                            "--wait"], untrusted=True, gated=True)
+                            "--wait", "--scratch", self.scratch], untrusted=True, gated=True)
 
     def result(self, ceiling, timeout):
-        return read_result(*self.child.wait(timeout, line=ceiling))
+        try:
+            return read_result(*self.child.wait(timeout, line=ceiling))
+        finally:
+            shutil.rmtree(self.scratch, ignore_errors=True)
 
     def cancel(self):
         self.child.kill()
+        shutil.rmtree(self.scratch, ignore_errors=True)
 
 
 def read_result(code, out, err):

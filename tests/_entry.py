@@ -7,13 +7,39 @@ handed the drill they work on and never read the manifest).
     python tests/_entry.py bench --ceiling                      # this GPU's copy ceiling alone
 """
 import argparse
+import atexit
 import json
 import os
+import shutil
 import sys
+import tempfile
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-import _env  # noqa: E402  -- first: the interpreter decision
+from _process import scratch_env  # noqa: E402  -- imports neither torch nor Triton
+
+
+def _scratch_before_cuda(argv):
+    """A drill's bench runs the learner's code in this process, so what it writes goes to a
+    scratch folder (HOME, TMPDIR, Triton's and CUDA's caches), set here, before `_env`
+    starts CUDA, as a worker's is at its launch. The driver reads CUDA_CACHE_PATH once, as
+    CUDA starts: set later, its JIT cache stayed in ~/.nv, which the confinement refuses,
+    and cuDNN's attention (transformers' generate in E1's bench) compiled every new
+    context length anew, 0.5 s a call. The grade hands in the folder and removes it
+    (--scratch); by hand, one is made here and removed at exit. None for other commands."""
+    if argv[:1] != ["bench"] or "--drill" not in argv:
+        return None
+    given = argv[argv.index("--scratch") + 1] if "--scratch" in argv[:-1] else None
+    scratch = given or tempfile.mkdtemp(prefix="drills-bench-")
+    if not given:
+        atexit.register(shutil.rmtree, scratch, ignore_errors=True)
+    os.environ.update(scratch_env(scratch))
+    tempfile.tempdir = scratch
+    return scratch
+
+
+SCRATCH = _scratch_before_cuda(sys.argv[1:])
+import _env  # noqa: E402  -- first of what imports torch: the interpreter decision
 from _manifest import drill as find_drill  # noqa: E402
 
 
@@ -37,6 +63,7 @@ def bench(argv):
     parser.add_argument("--tree", default="solutions")
     parser.add_argument("--ceiling", action="store_true", help="measure the copy ceiling only")
     parser.add_argument("--ceiling-gbps", type=float, help="use this ceiling instead of measuring it")
+    parser.add_argument("--scratch", help="the folder the bench may write (default: a temporary one)")
     parser.add_argument("--wait", action="store_true",
                         help="get ready, then time nothing until a line on standard input says go (with the drill: "
                              "the line is the ceiling in GB/s)")
@@ -59,7 +86,7 @@ def bench(argv):
     else:
         drill = find_drill(args.drill)
         # Confined before CUDA starts its threads: Landlock below ABI 8 covers only the thread that asks.
-        _confine_for(drill, args.tree)
+        _confine_for(drill, args.tree, SCRATCH)
         out = dict(device=_env.describe())
         if args.wait and _bench.torch.cuda.get_device_properties(0).total_memory < SHARED_GPU_BYTES:
             start()  # a smaller GPU: nothing of the bench's may take memory the tests need
@@ -68,19 +95,13 @@ def bench(argv):
     print(json.dumps(out))
 
 
-def _confine_for(drill, tree):
+def _confine_for(drill, tree, scratch):
     """The bench runs the learner's module in this process: confine it first, as a worker is
-    (tests/_serve.py), after loading what the bench needs from outside the tree: the other
-    drills' references its baselines call (never this drill's own)."""
-    import tempfile
-
+    (tests/_serve.py), to its scratch folder, after loading what the bench needs from
+    outside the tree: the other drills' references its baselines call (never this drill's own)."""
     import _sandbox
-    from _process import scratch_env
     from _manifest import DRILLS
     from _tree import load_drill, tree_path
-    scratch = tempfile.mkdtemp(prefix="drills-bench-")
-    os.environ.update(scratch_env(scratch))
-    tempfile.tempdir = scratch
     for other in DRILLS:
         if other.stem != drill.stem:
             load_drill("solutions", other.stem)

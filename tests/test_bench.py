@@ -2,12 +2,13 @@
 can be shown without a GPU. The GPU's own measurements are faked here; BENCHMARKS.md has
 the H200's."""
 import io
+import os
 import json
 import sys
 import time
 
 from _manifest import BY_ID
-from _tree import load_front
+from _tree import ROOT, load_front
 from test_grading import _failing, _graded_in_process
 
 
@@ -132,3 +133,44 @@ def test_a_bench_process_that_writes_something_else_gets_a_failed_row_not_a_cras
     good = _bench.read_result(0, "printed by the learner\n" + json.dumps(dict(cases=[case])), "")
     assert _render.drawable(good) and "L1 T=1 2.0 µs 10 GB/s 50.0 % good torch 5 GB/s 2.00× faster" in drawn(good)
     assert _bench.read_result(None, "", "")["error"] == "timed out"
+
+
+def test_a_drills_bench_has_its_scratch_folder_before_cuda_starts(tmp_path):
+    """A drill's bench process runs the learner's code, confined to a scratch folder. Its
+    HOME, TMPDIR and caches point there before `_env` starts CUDA: the driver reads
+    CUDA_CACHE_PATH once, at its start, and set later, its JIT cache stayed in ~/.nv, which
+    the confinement refuses (cuDNN then compiled every new shape anew: E1's bench spent
+    42 s so on the H200). The grade's folder is handed in and removed however the process
+    ends; one made by hand is removed at exit."""
+    import subprocess
+
+    import _bench
+    spy = ("import json, os, runpy, sys\n"
+           "seen = []\n"
+           "class Spy:\n"
+           "    def find_spec(self, name, path=None, target=None):\n"
+           "        if name == '_env' and not seen:\n"
+           "            seen.append({k: os.environ.get(k) for k in ('HOME', 'TMPDIR', 'CUDA_CACHE_PATH', 'TRITON_CACHE_DIR')})\n"
+           "sys.meta_path.insert(0, Spy())\n"
+           "sys.argv = ['tests/_entry.py'] + sys.argv[1:]\n"
+           "runpy.run_path('tests/_entry.py', run_name='spied')\n"
+           "print(json.dumps(seen[0]))\n")
+
+    def env_at_cuda_start(*args):
+        done = subprocess.run([sys.executable, "-c", spy, *args], capture_output=True, text=True, timeout=120,
+                              cwd=ROOT)
+        assert done.returncode == 0, done.stderr
+        return json.loads(done.stdout.splitlines()[-1])
+    given = env_at_cuda_start("bench", "--drill", "l1", "--scratch", str(tmp_path))
+    assert given == dict(HOME=str(tmp_path), TMPDIR=str(tmp_path), CUDA_CACHE_PATH=str(tmp_path / "nv"),
+                         TRITON_CACHE_DIR=str(tmp_path / "triton"))
+    made = env_at_cuda_start("bench", "--drill", "l1")
+    assert os.path.basename(made["HOME"]).startswith("drills-bench-") and made["CUDA_CACHE_PATH"] == made["HOME"] + "/nv"
+    assert not os.path.exists(made["HOME"])  # removed at exit
+    ceiling = env_at_cuda_start("bench", "--ceiling")  # ours alone: no scratch folder
+    assert ceiling["CUDA_CACHE_PATH"] == os.environ.get("CUDA_CACHE_PATH")
+    for ends in ("cancel", "result"):
+        bench = _bench.Bench(BY_ID["l1"], "solutions")
+        assert os.path.isdir(bench.scratch)
+        bench.cancel() if ends == "cancel" else bench.result(4200.0, 120)
+        assert not os.path.exists(bench.scratch), ends
