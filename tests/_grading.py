@@ -15,6 +15,7 @@ tests/test_wrong.py grades the planted bugs through it.
   marked with that pitfall.
 """
 import hashlib
+import json
 import os
 import secrets
 import site
@@ -30,9 +31,9 @@ from pathlib import Path
 import _env
 import _wrong
 from _diagnose import explain_error
-from _process import exit_name, run_process
+from _process import WORKER_PLAN, exit_name, run_process
 from _report import read_signed
-from _tree import ROOT
+from _tree import ROOT, worker_trees
 
 RESTARTS = 3       # fresh test processes after the test process itself dies
 
@@ -57,6 +58,9 @@ def _pytest(drills, tree, report, timeout, env, deselect, variants=None, select=
         cmd += [f"--drills-shard={shard}"]
     for nodeid in deselect:
         cmd += ["--deselect", nodeid]
+    if len(drills) == 1 and not variants:  # the worker its `drill` fixture will ask for, started first
+        plan = dict(readable=worker_trees(tree), preload=list(drills[0].preload))
+        env = {**(env or {}), WORKER_PLAN: json.dumps(plan)}
     try:
         code, out, err = run_process(cmd, timeout, env, pass_fds=(key_read,))
     finally:

@@ -18,16 +18,22 @@ from pathlib import Path
 for _pool in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS"):
     os.environ.setdefault(_pool, "1")
 
+# A grading run plans this process's worker: started first, its imports overlap ours.
+from _process import start_planned_worker  # noqa: E402  -- imports no torch
+_PLANNED = start_planned_worker()
+
 import _env  # noqa: E402  -- first of ours: sets TRITON_INTERPRET before anything imports Triton
 import pytest
 from hypothesis import HealthCheck, Phase, settings
 
 from _manifest import BY_STEM, DRILLS
 from _paged import release_big_memory
-from _tree import default_tree, tree_path
+from _tree import default_tree, tree_path, worker_trees
 from _diagnose import Mismatch
 from _process import become_subreaper
-from _worker import ISOLATE, calls_made, end_strays, reset_all, stop_all, tree_module
+from _worker import ISOLATE, WORKER, calls_made, end_strays, reset_all, stop_all, tree_module
+
+WORKER.planned = _PLANNED  # taken by the `drill` fixture's first call if the plan was right, else ended
 
 # Under the CPU interpreter every Triton program runs in Python: few, small examples.
 _common = dict(deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
@@ -259,9 +265,7 @@ def drill(request, tree, variant):
         pytest.fail(f"{path} does not exist: make reset DRILL={BY_STEM[stem].id} restores the stub", pytrace=False)
     # What the worker may read: the tree under test (all planted variants at once, so that one
     # worker serves them), the session's tree, and the kernels E1 runs on (make grade KERNELS=).
-    readable = [Path(tree).parent if variant is not None else tree, request.getfixturevalue("tree")]
-    if os.environ.get("DRILLS_KERNELS"):
-        readable.append(tree_path(os.environ["DRILLS_KERNELS"]))
+    readable = worker_trees(Path(tree).parent if variant is not None else tree, request.getfixturevalue("tree"))
     entry = BY_STEM[stem]
     return tree_module(tree, stem, contract=entry.contract, readable=readable, preload=entry.preload)
 

@@ -4,9 +4,13 @@ Every child runs in a process group of its own, dies with its parent (Linux's
 parent-death signal), and is killed whole on a time limit or on the grader's Ctrl-C,
 so nothing the grade started outlives it.
 """
+import atexit
 import ctypes
+import json
 import os
+import shutil
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
@@ -47,6 +51,61 @@ def scratch_env(scratch):
     scratch folder (its home, its temporary files, Triton's and CUDA's caches)."""
     return {name: os.path.normpath(os.path.join(scratch, sub)) for name, sub in (
         ("HOME", "."), ("TMPDIR", "."), ("TRITON_CACHE_DIR", "triton"), ("TRITON_HOME", "."), ("CUDA_CACHE_PATH", "nv"))}
+
+
+_SCRATCH = []  # the folder every worker's scratch folder lives in (made on first use)
+# A grading run's plan for its test process's worker (tests/_grading.py): the trees it reads
+# and the modules it preloads, as JSON.
+WORKER_PLAN = "DRILLS_WORKER_PLAN"
+
+
+def _scratch_root():
+    if not _SCRATCH:
+        _SCRATCH.append(tempfile.mkdtemp(prefix="drills-sandbox-"))
+        atexit.register(shutil.rmtree, _SCRATCH[0], ignore_errors=True)
+    return _SCRATCH[0]
+
+
+def start_worker(readable, preload):
+    """Start a worker (tests/_serve.py; tests/_worker.py drives it) that may read the
+    `readable` trees and imports the `preload` modules before it is confined: a fresh
+    `python -I`, in a session of its own, with the allow-listed environment pointed at a
+    scratch folder of its own, holding only its end of a socketpair. Returns (process,
+    our end of the socket, its scratch folder, its log file). Imports no torch, so that a
+    test process can start its worker before its own imports (`start_planned_worker`)."""
+    root = _scratch_root()
+    scratch = tempfile.mkdtemp(prefix="worker-", dir=root)
+    ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+    env = {**allowed_env(), **scratch_env(scratch)}
+    env["HF_HUB_OFFLINE"] = "1"
+    # One thread: Landlock below ABI 8 covers only the thread that asks, so no thread pool
+    # may start before the worker is confined (OpenBLAS and OpenMP start theirs at import).
+    env.update(OMP_NUM_THREADS="1", OPENBLAS_NUM_THREADS="1", MKL_NUM_THREADS="1")
+    config = dict(fd=theirs.fileno(), scratch=scratch, readable=sorted(readable), preload=list(preload),
+                  parent=os.getpid())
+    log = open(os.path.join(root, os.path.basename(scratch) + ".log"), "w+b")
+    boot = "import sys; sys.path.insert(0, sys.argv[1]); import _serve; _serve.serve(sys.argv[2])"
+    try:
+        proc = subprocess.Popen([sys.executable, "-I", "-B", "-c", boot, str(ROOT / "tests"), json.dumps(config)],
+                                pass_fds=(theirs.fileno(),), stdin=subprocess.DEVNULL, stdout=log, stderr=log,
+                                cwd=scratch, env=env, start_new_session=True)
+    finally:
+        theirs.close()
+    return proc, ours, scratch, log
+
+
+def start_planned_worker():
+    """The worker a grading run planned for this test process (WORKER_PLAN in the
+    environment, taken out of it), started now: ((readable, preload), start_worker's
+    tuple), the form of tests/_worker.py's spare; None without a plan. The plugin calls it
+    before it imports torch: the worker's imports (4-6 s on the H200 host, 10 s with
+    E1's transformers) then overlap the test process's own."""
+    plan = os.environ.pop(WORKER_PLAN, None)
+    if not plan or os.environ.get("DRILLS_ISOLATE", "1") == "0":
+        return None
+    plan = json.loads(plan)
+    readable, preload = set(plan["readable"]), tuple(plan["preload"])
+    return (readable, preload), start_worker(readable, preload)
 
 
 def run_process(cmd, timeout, env=None, pass_fds=(), untrusted=False):

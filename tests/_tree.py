@@ -26,6 +26,14 @@ def tree_path(tree):
     return path
 
 
+def worker_trees(tree, *more):
+    """The folders a worker serving `tree` may read, resolved: `tree`, `more`, and the tree
+    E1's kernels come from when DRILLS_KERNELS names one (make grade KERNELS=). The `drill`
+    fixture and the grade's plan for it (tests/_grading.py) ask here alike."""
+    kernels = [os.environ["DRILLS_KERNELS"]] if os.environ.get("DRILLS_KERNELS") else []
+    return sorted({str(tree_path(t)) for t in (tree, *more, *kernels)})
+
+
 def load_drill(tree, stem):
     """Import <tree>/<stem>.py under a name unique to that folder.
 

@@ -34,18 +34,14 @@ teaches an honest learner and binds nobody.
 DRILLS_ISOLATE=0 runs the module in the test process instead (handy with a
 debugger); the grade always isolates.
 """
-import atexit
-import json
 import os
 import pickle
 import re
 import shutil
 import signal
-import socket
 import stat
 import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -54,7 +50,7 @@ import torch
 import _channel
 import _data
 import _sandbox
-from _process import allowed_env, kill_descendants, scratch_env
+from _process import kill_descendants, start_worker
 
 ISOLATE = os.environ.get("DRILLS_ISOLATE", "1") != "0"
 # Seconds of the learner's code one test (or hypothesis example) may use (DRILLS_TIMEOUT;
@@ -65,16 +61,6 @@ BOOT_TIMEOUT = 600  # seconds a worker may take to import torch and Triton (a co
 
 SANDBOX = _sandbox.describe()
 TESTS = str(Path(__file__).resolve().parent)
-_SCRATCH = []  # the folder every worker's scratch folder lives in (made on first use)
-
-
-def _scratch_root():
-    if not _SCRATCH:
-        _SCRATCH.append(tempfile.mkdtemp(prefix="drills-sandbox-"))
-        atexit.register(shutil.rmtree, _SCRATCH[0], ignore_errors=True)
-    return _SCRATCH[0]
-
-
 # Exceptions whose type means something to the tests come back as that type;
 # anything else comes back as LearnerError (so an AssertionError raised by the
 # learner's own code cannot pass for a check's verdict).
@@ -123,7 +109,7 @@ class Worker:
 
     def __init__(self, readable=(), preload=()):
         self.readable, self.preload = {str(p) for p in readable}, tuple(preload)
-        self.proc = self.sock = self.scratch = self.log = self.spare = None
+        self.proc = self.sock = self.scratch = self.log = self.spare = self.planned = None
         self.ready = False
         self.hung = {}         # {function: tests it ran past its limit in}: later calls get a short limit, or none
         self.slowest = {}      # {function: seconds of its slowest call that returned}
@@ -143,38 +129,25 @@ class Worker:
             self.start()
 
     def start(self):
-        """Take the spare worker if one is booting for the same trees, else start one."""
-        spare, self.spare = self.spare, None
-        if spare is not None and spare[0] == (self.readable, self.preload):
-            self.proc, self.sock, self.scratch, self.log = spare[1]
+        """Take the worker the grade planned for this process (tests/_process.py's
+        start_planned_worker) or the spare, if it boots for the same trees; else start one."""
+        key = (self.readable, self.preload)
+        planned, spare, self.planned, self.spare = self.planned, self.spare, None, None
+        if planned is not None and planned[0] == key:
+            taken, planned = planned, None
+        elif spare is not None and spare[0] == key:
+            taken, spare = spare, None
             # A worker that crashed once may crash again (a planted bug, a learner's bad offset):
             # the next spare boots while this one serves.
-            self.spare = ((self.readable, self.preload), self._launch())
+            self.spare = (key, self._launch())
         else:
-            _end(spare)
-            self.proc, self.sock, self.scratch, self.log = self._launch()
+            taken = (key, self._launch())
+        _end(planned), _end(spare)
+        self.proc, self.sock, self.scratch, self.log = taken[1]
         self.ready = False
 
     def _launch(self):
-        root = _scratch_root()
-        scratch = tempfile.mkdtemp(prefix="worker-", dir=root)
-        ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
-        env = {**allowed_env(), **scratch_env(scratch)}
-        env["HF_HUB_OFFLINE"] = "1"
-        # One thread: Landlock below ABI 8 covers only the thread that asks, so no thread pool
-        # may start before the worker is confined (OpenBLAS and OpenMP start theirs at import).
-        env.update(OMP_NUM_THREADS="1", OPENBLAS_NUM_THREADS="1", MKL_NUM_THREADS="1")
-        config = dict(fd=theirs.fileno(), scratch=scratch, readable=sorted(self.readable),
-                      preload=list(self.preload), parent=os.getpid())
-        log = open(os.path.join(root, os.path.basename(scratch) + ".log"), "w+b")
-        boot = "import sys; sys.path.insert(0, sys.argv[1]); import _serve; _serve.serve(sys.argv[2])"
-        try:
-            proc = subprocess.Popen([sys.executable, "-I", "-B", "-c", boot, TESTS, json.dumps(config)],
-                                    pass_fds=(theirs.fileno(),), stdin=subprocess.DEVNULL, stdout=log, stderr=log,
-                                    cwd=scratch, env=env, start_new_session=True)
-        finally:
-            theirs.close()
-        return proc, ours, scratch, log
+        return start_worker(self.readable, self.preload)
 
     def stop(self, spare=False):
         """End the worker and everything it started. spare=True (after a crash or a time-out,
@@ -383,8 +356,9 @@ def calls_made():
 
 
 def live_pids():
-    """The workers of this process, spares included: what a sweep of leftovers must keep."""
-    return {w.proc.pid for w in WORKERS if w.proc is not None} | {w.spare[1][0].pid for w in WORKERS if w.spare}
+    """The workers of this process, spares and a planned one included: what a sweep of leftovers must keep."""
+    waiting = [s for w in WORKERS for s in (w.spare, w.planned) if s]
+    return {w.proc.pid for w in WORKERS if w.proc is not None} | {s[1][0].pid for s in waiting}
 
 
 def end_strays():
@@ -403,8 +377,8 @@ def _covers(folders, tree):
 def stop_all():
     for worker in WORKERS:
         worker.stop()
-        _end(worker.spare)
-        worker.spare = None
+        _end(worker.spare), _end(worker.planned)
+        worker.spare = worker.planned = None
 
 
 class TreeModule:

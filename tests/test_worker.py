@@ -147,3 +147,42 @@ def _alive(pid):
         return open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()[0] != "Z"
     except OSError:
         return False
+
+
+def test_a_grading_run_starts_its_worker_before_torch_and_the_fixture_takes_it(tmp_path, monkeypatch):
+    """The grade plans each test process's worker (tests/_grading.py): the plugin starts it
+    before it imports torch, so that their imports overlap, and the first call takes it
+    rather than starting another. A plan for other trees is ended, never left running."""
+    import json
+
+    import _process
+    import _worker
+    tree = learner(tmp_path, "def slot_mapping(*a):\n    return 3\n")
+    plan = json.dumps(dict(readable=[str(tree)], preload=[]))
+    spy = ("import sys; sys.path.insert(0, 'tests'); import _process\n"
+           "start = _process.start_worker\n"
+           "def spied(*a):\n"
+           "    print('torch imported' if 'torch' in sys.modules else 'before torch', flush=True)\n"
+           "    return start(*a)\n"
+           "_process.start_worker = spied\n"
+           "import _plugin, _worker\n"
+           "print('planned' if _worker.WORKER.planned else 'none'); _worker.stop_all()\n")
+    done = subprocess.run([sys.executable, "-c", spy], cwd=ROOT, capture_output=True, text=True, timeout=120,
+                          env={**os.environ, _process.WORKER_PLAN: plan})
+    assert done.stdout.split() == ["before", "torch", "planned"], done.stderr[-2000:]
+
+    monkeypatch.setenv(_process.WORKER_PLAN, plan)
+    for trees, taken in (([tree], True), ([tree, tmp_path], False)):
+        worker = Worker()
+        worker.planned = _process.start_planned_worker()
+        assert _process.WORKER_PLAN not in os.environ  # taken out: nothing it starts inherits it
+        planned = worker.planned[1][0]
+        try:
+            worker.prepare(trees)
+            assert TreeModule(tree, L1.stem, worker).slot_mapping() == 3
+            assert (worker.proc is planned) == taken and worker.planned is None
+            assert taken or planned.poll() is not None  # the wrong plan's worker was ended
+            assert worker.proc.pid in _worker.live_pids()
+        finally:
+            worker.stop()
+            monkeypatch.setenv(_process.WORKER_PLAN, plan)
