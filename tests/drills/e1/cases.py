@@ -24,8 +24,11 @@ TEST_SHAPES = dict(layers=2, hidden=32, heads=4, kv_heads=2, vocab=64, block_siz
 
 # What the learner's worker needs (the Drill entry's `writes` and `preload`, also read by `make chat`):
 # generate writes only into `kernels` (a Recorder's log); the models and Recorder are classes of this module.
+# The models' own modules are imported while the worker boots, not at its first call: on the
+# H200 host they take 9 s (transformers, and torch._dynamo under it), which the boot overlaps
+# with the test process's own imports (tests/_process.py's start_planned_worker).
 WRITES = {"generate": ("kernels",)}
-PRELOAD = ("drills.e1.cases",)
+PRELOAD = ("drills.e1.cases", "transformers.models.llama.modeling_llama", "transformers.models.qwen2.modeling_qwen2")
 
 # content/e1.md §3: three requests, a budget of 8 tokens, blocks of 4, five steps.
 WORKED_EXAMPLE = dict(prompt_lens=[5, 3, 7], max_new=[4, 2, 3], block_size=4, budget=8)
