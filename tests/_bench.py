@@ -20,13 +20,12 @@ import json
 import math
 import shutil
 import sys
-import tempfile
 
 import _env
 import torch
 from triton.testing import do_bench, do_bench_cudagraph
 
-from _process import Child
+from _process import Child, scratch_folder
 from _tree import load_drill
 
 TIERS = ((0.90, "at the roofline"), (0.75, "good"), (0.50, "fair"), (0.0, "slow"))
@@ -106,7 +105,7 @@ class Bench:
     def __init__(self, drill, tree):
         # Its scratch folder is made here and handed in, so that it is removed however the
         # process ends (a cancelled bench is killed).
-        self.scratch = tempfile.mkdtemp(prefix="drills-bench-")
+        self.scratch = scratch_folder("bench-")
         self.child = Child([sys.executable, "tests/_entry.py", "bench", "--drill", drill.id, "--tree", str(tree),
                             "--wait", "--scratch", self.scratch], untrusted=True, gated=True)
 

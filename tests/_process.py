@@ -59,11 +59,13 @@ _SCRATCH = []  # the folder every worker's scratch folder lives in (made on firs
 WORKER_PLAN = "DRILLS_WORKER_PLAN"
 
 
-def _scratch_root():
+def scratch_folder(prefix):
+    """A new folder for one confined process to write (a worker, a bench), inside this
+    process's scratch root, which is removed at exit whatever became of the process."""
     if not _SCRATCH:
         _SCRATCH.append(tempfile.mkdtemp(prefix="drills-sandbox-"))
         atexit.register(shutil.rmtree, _SCRATCH[0], ignore_errors=True)
-    return _SCRATCH[0]
+    return tempfile.mkdtemp(prefix=prefix, dir=_SCRATCH[0])
 
 
 def start_worker(readable, preload):
@@ -73,8 +75,7 @@ def start_worker(readable, preload):
     scratch folder of its own, holding only its end of a socketpair. Returns (process,
     our end of the socket, its scratch folder, its log file). Imports no torch, so that a
     test process can start its worker before its own imports (`start_planned_worker`)."""
-    root = _scratch_root()
-    scratch = tempfile.mkdtemp(prefix="worker-", dir=root)
+    scratch = scratch_folder("worker-")
     ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
     env = {**allowed_env(), **scratch_env(scratch)}
     env["HF_HUB_OFFLINE"] = "1"
@@ -83,7 +84,7 @@ def start_worker(readable, preload):
     env.update(OMP_NUM_THREADS="1", OPENBLAS_NUM_THREADS="1", MKL_NUM_THREADS="1")
     config = dict(fd=theirs.fileno(), scratch=scratch, readable=sorted(readable), preload=list(preload),
                   parent=os.getpid())
-    log = open(os.path.join(root, os.path.basename(scratch) + ".log"), "w+b")
+    log = open(scratch.rstrip(os.sep) + ".log", "w+b")
     boot = "import sys; sys.path.insert(0, sys.argv[1]); import _serve; _serve.serve(sys.argv[2])"
     try:
         proc = subprocess.Popen([sys.executable, "-I", "-B", "-c", boot, str(ROOT / "tests"), json.dumps(config)],

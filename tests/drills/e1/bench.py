@@ -151,9 +151,9 @@ def measure(module, device="cuda", params=_PARAMS, start=None, extras=True, shap
         return run
     own = extras and hasattr(module, "_tree_kernels") and module._tree_kernels()  # the engine's eager path
     # Warm-ups with the whole workload: the first run of each prepares for every shape it meets.
-    # transformers' SDPA pays at each new context length (confined as this process is, 16-22 ms
-    # a call against 2-3.5 ms): warmed with 4 tokens, generate ran 5 to 15 times slower (E1 in
-    # BENCHMARKS.md).
+    # transformers' SDPA (cuDNN) compiles a kernel at each new context length, tens of ms a
+    # call the first time: warmed with 4 tokens, generate was timed while still compiling
+    # (E1 in BENCHMARKS.md).
     timed(hf(params["new"]))
     timed(engine(params["new"]))
     if own:

@@ -24,9 +24,9 @@ TEST_SHAPES = dict(layers=2, hidden=32, heads=4, kv_heads=2, vocab=64, block_siz
 
 # What the learner's worker needs (the Drill entry's `writes` and `preload`, also read by `make chat`):
 # generate writes only into `kernels` (a Recorder's log); the models and Recorder are classes of this module.
-# The models' own modules are imported while the worker boots, not at its first call: on the
-# H200 host they take 9 s (transformers, and torch._dynamo under it), which the boot overlaps
-# with the test process's own imports (tests/_process.py's start_planned_worker).
+# The models' own modules (transformers, and torch._dynamo under it: 3.8 s here) are imported
+# while the worker boots, which overlaps the test process's own imports (tests/_process.py's
+# start_planned_worker), not at its first call, when they unpickle the model.
 WRITES = {"generate": ("kernels",)}
 PRELOAD = ("drills.e1.cases", "transformers.models.llama.modeling_llama", "transformers.models.qwen2.modeling_qwen2")
 
