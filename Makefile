@@ -6,8 +6,11 @@
 #   make chat                  your E1 engine serving SmolLM2-135M-Instruct on your L1 and L3, checked against
 #                              transformers' generate (PROMPT="a|b": prompts; TOKENS=16; KERNELS=, TREE= as in
 #                              grade; MODEL=path: a checkpoint folder); installs the model on first use
-#   make bench                 the bandwidth report of solutions/ (needs a GPU)
-#   make diff DRILL=l1         your file next to the reference, side by side (TREE=path for a learner's copy)
+#   make bench                 the bandwidth report of solutions/ (DRILL=l1 for one); without a GPU, at
+#                              once, the reference's traffic lines instead
+#   make diff DRILL=l1         your file against the reference: side by side ('|' changed, '<' '>' one side
+#                              only) from 120 columns, else a unified diff; TREE=path for a learner's copy,
+#                              OTHER=path to put a second learner's copy where the reference was
 #   make reset DRILL=l1        back up your file to .drills/backups/, then restore the stub
 #   make hint DRILL=l1         the next hint from the drill's page
 #   make show DRILL=l1         draw what your code gives on a small case (exits 0 whenever it draws)
@@ -22,6 +25,7 @@ TREE   ?= mine
 DRILL  ?=
 TIMEOUT ?=
 KERNELS ?=
+OTHER  ?=
 
 # Set-up is decided by tests/_setup.py, which prints the path it took. Without an
 # NVIDIA GPU, torch comes from PyTorch's CPU index (a ~192 MB wheel rather than
@@ -64,12 +68,13 @@ chat: setup $(VENV)/.e1-model
 	@DRILLS_KERNELS='$(KERNELS)' PYTHONPATH=tests $(PY) -m drills.e1.bench chat --tree $(TREE) --prompt "$$PROMPT" \
 		$(if $(TOKENS),--tokens $(TOKENS)) $(if $(MODEL),--model '$(MODEL)') $(if $(TIMEOUT),--timeout $(TIMEOUT))
 
+# Without a GPU it says so at once and prints the reference's traffic lines (no test runs).
 bench: setup
-	$(PY) grader.py --tree solutions $(DRILL)
+	$(PY) grader.py bench $(DRILL)
 
 diff reset hint show watch: setup
 	@test -n "$(DRILL)" || { echo "usage: make $@ DRILL=l1"; exit 2; }
-	$(PY) grader.py $@ $(DRILL) --tree $(TREE)$(if $(filter watch,$@), || { code=$$?; [ $$code -eq 130 ] || exit $$code; })
+	$(PY) grader.py $@ $(DRILL) --tree $(TREE)$(if $(and $(filter diff,$@),$(OTHER)), --other $(OTHER))$(if $(filter watch,$@), || { code=$$?; [ $$code -eq 130 ] || exit $$code; })
 
 doctor: setup
 	$(PY) grader.py doctor

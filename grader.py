@@ -32,6 +32,7 @@ sys.path.insert(0, str(ROOT / "tests"))
 import _env  # noqa: E402  -- first: decides CPU interpreter vs GPU
 import _commands  # noqa: E402
 import _grading  # noqa: E402
+import _integrity  # noqa: E402
 import _picture  # noqa: E402
 import _sandbox  # noqa: E402
 from _manifest import DRILLS, drill as find_drill  # noqa: E402
@@ -40,26 +41,39 @@ from _render import Printer, cleaned, for_json, make_console  # noqa: E402
 from _tree import default_tree, tree_path  # noqa: E402
 from _worker import SANDBOX, SHORT_TIMEOUT, TIMEOUT, live_pids  # noqa: E402
 
-COMMANDS = ("show", "hint", "reset", "doctor", "watch", "diff")
+COMMANDS = ("show", "hint", "reset", "doctor", "watch", "diff", "bench", "chat", "grade")
 
 
 def command(argv):
-    """The commands of tests/_commands.py: `grader.py show l1 [--tree T]` and friends."""
+    """The commands of tests/_commands.py: `grader.py show l1 [--tree T]` and friends; `grade`
+    is the grade (`grader.py grade l1` = `grader.py l1`), `chat` E1's (tests/drills/e1/bench.py)."""
+    if argv[0] == "grade":
+        return main(argv[1:])
+    if argv[0] == "chat":
+        from drills.e1.bench import chat
+        return chat(argv[1:])
     parser = argparse.ArgumentParser(prog=f"grader.py {argv[0]}")
     if argv[0] != "doctor":
-        parser.add_argument("drill")
+        parser.add_argument("drill", nargs="*" if argv[0] == "bench" else None)
     parser.add_argument("--tree", default=default_tree())
     parser.add_argument("--case", help="(show) draw this saved failing case instead of running the page's example")
+    parser.add_argument("--other", help="(diff) the tree whose file goes on the left, instead of the reference")
     args = parser.parse_args(argv[1:])
     console = make_console()
     if argv[0] == "doctor":
         return _commands.doctor(console)
     try:
-        drill = find_drill(args.drill)
-        if argv[0] in ("show", "diff", "watch"):
-            tree_path(args.tree)
+        drills = [find_drill(d) for d in (args.drill if argv[0] == "bench" else [args.drill])]
+        drill = drills[0] if drills else None
+        for tree in [args.tree] * (argv[0] in ("show", "diff", "watch")) + [args.other] * bool(args.other):
+            tree_path(tree)
     except (KeyError, FileNotFoundError) as error:
         return usage_error(console, error)
+    if argv[0] == "bench":  # the reference's bandwidth report; without a GPU, at once, its traffic lines
+        import _env  # torch's seconds: only where no device file already says there is no GPU
+        if _commands.surely_no_gpu() or _env.INTERPRET:
+            return _commands.bench_without_gpu(drills or list(DRILLS), console)
+        return main(["--tree", "solutions", *args.drill])
     if argv[0] == "show":
         return _picture.show(drill, tree_path(args.tree), console, args.case)
     if argv[0] == "hint":
@@ -67,7 +81,7 @@ def command(argv):
     if argv[0] == "reset":
         return _commands.reset(drill, console)
     if argv[0] == "diff":
-        return _commands.diff(drill, args.tree, console)
+        return _commands.diff(drill, args.tree, console, args.other)
     return _commands.watch(drill, args.tree, lambda: main([drill.id, "--tree", args.tree, "--no-bench"]), console)
 
 
@@ -98,10 +112,12 @@ def grade_one(drill, tree, args, workdir, spinner, console):
     return dict(cleaned({k: v for k, v in summary.items() if k != "picture"}), picture=summary.get("picture"))
 
 
-def check_integrity(grade, before):
-    """After each drill and at the end: if the repository or site-packages changed since
-    `before`, the grade says so and no drill passes."""
-    ok, says = _grading.integrity(before=before)
+def check_integrity(grade, before, graded=None, tree_name="mine"):
+    """After each drill and at the end (tests/_integrity.py): a change to the machinery withdraws
+    every pass; one to the files the drill just graded (`graded`) makes it "edited during grading"."""
+    if graded:
+        _integrity.mark_edited(grade["drills"][-1], graded, tree_name)
+    ok, says = _integrity.integrity(before=before)
     if ok is False:
         grade["integrity"] = dict(ok=False, says=says, during_grading=True)
         for s in grade["drills"]:
@@ -148,8 +164,8 @@ def main(argv=None):
     except (FileNotFoundError, KeyError) as error:
         return usage_error(console, error)
     stop_children_on_signals(lambda text: console.print(f"\n[bold red]{text}[/]"))
-    before = _grading.snapshot()
-    ok, says = _grading.integrity()
+    before = _integrity.snapshot()
+    ok, says = _integrity.integrity()
     grade = dict(tree=str(tree), tree_name=args.tree, device=_env.describe(), interpret=_env.INTERPRET, sandbox=SANDBOX, sandbox_missing=_sandbox.missing(),
                  drills=[], integrity=dict(ok=ok, says=says), leftover_processes_killed=0)
     printer = Printer(console, grade, [d.title for d in drills])
@@ -165,6 +181,7 @@ def main(argv=None):
             tempfile.TemporaryDirectory() as workdir:
         for drill in drills:
             spinner.update(f"grading {drill.id.upper()} {drill.title}...")
+            graded = _integrity.digests(_integrity.graded_files(drill, tree, [d.stem for d in DRILLS]))
             bench = _bench.Bench(drill, tree) if timing and not _grading.is_untouched_stub(drill, tree) else None
             if bench and ceiling is None:
                 ceiling = _bench.Ceiling()
@@ -173,7 +190,7 @@ def main(argv=None):
                 time_drill(grade, bench, ceiling, args.timeout, spinner)
             # Nothing the learner's code started may outlive its drill and touch what comes next.
             grade["leftover_processes_killed"] += kill_leftovers(keep=live_pids())
-            check_integrity(grade, before)
+            check_integrity(grade, before, graded, args.tree)
             printer.drill(grade["drills"][-1])
         if ceiling:
             ceiling.cancel()

@@ -1,7 +1,9 @@
 """The learner's and the instructor's commands besides grading:
 
     python grader.py show l1     draw the drill's data for your code (L1: the cache)
-    python grader.py hint l1     the next hint from the page you have not seen yet
+    python grader.py hint l1     the next hint you have not seen yet (content/l1-hints.md)
+    python grader.py walkthrough l1   the reference read line by line (asks first until L1 passes)
+    python grader.py page l1     the page, rendered for the terminal (--answers: self-test answers shown)
     python grader.py reset l1    back up mine/<stem>.py, then restore the stub
     python grader.py doctor      check Python, torch, Triton, numpy and the interpreter
     python grader.py watch l1    re-grade a drill whenever its file changes
@@ -11,41 +13,95 @@ import ast
 import difflib
 import json
 import os
-import re
 import signal
 import subprocess
 import sys
 import time
 
+from rich.cells import cell_len
+from rich.markdown import Markdown
 from rich.table import Table
 from rich.text import Text
 
+import _pages
 from _tree import ROOT, tree_path
 
-STATE = ROOT / ".drills"  # ignored by git: hint progress and backups
+STATE = ROOT / ".drills"  # ignored by git: hint progress, the last grade of each drill, backups
 
 
-# --- hints ---------------------------------------------------------------------
-
-
-def hints(drill):
-    """The page's hints, weakest first: the `### 提示 N` blocks of its hint section."""
-    text = (ROOT / drill.page).read_text()
-    return [h.strip() for h in re.findall(r"^### 提示 \d+\n(.*?)(?=^### |^## |\Z)", text, re.M | re.S)]
+# --- hints, the walkthrough and the page ---------------------------------------
 
 
 def hint(drill, console):
-    all_hints = hints(drill)
+    """The next hint of content/<id>-hints.md the learner has not seen; progress in .drills/hints.json.
+    A hint is printed as text (never as rich markup, which would eat `block_table[seq_idx, 逻辑块]`)."""
+    all_hints = _pages.hints(drill.id)
     state_file = STATE / "hints.json"
     seen = json.loads(state_file.read_text()) if state_file.exists() else {}
     n = min(seen.get(drill.id, 0) + 1, len(all_hints))
     seen[drill.id] = n
     STATE.mkdir(exist_ok=True)
     state_file.write_text(json.dumps(seen))
-    console.print(f"[bold]{drill.id.upper()} hint {n} of {len(all_hints)}[/] (from {drill.page})\n")
-    console.print(all_hints[n - 1])
+    source = _pages.hints_file(drill.id).relative_to(ROOT)
+    console.print(Text(f"{drill.id.upper()} hint {n} of {len(all_hints)}", style="bold") + Text(f" (from {source})\n"))
+    console.print(Text(all_hints[n - 1]), soft_wrap=True)
     if n == len(all_hints):
-        console.print("\n[dim]That was the last hint; the walkthrough is in the page's numbered sections.[/]")
+        console.print(Text(f"\nThat was the last hint; the reference read line by line is "
+                           f"`make walkthrough DRILL={drill.id}`.", style="dim"))
+    return 0
+
+
+def record_grade(tree, summary):
+    """Remember whether a drill of mine/ passed its last grade (.drills/grades.json), so that
+    `walkthrough` shows the reference without asking once the learner has passed."""
+    if tree != tree_path("mine"):
+        return
+    state_file = STATE / "grades.json"
+    grades = json.loads(state_file.read_text()) if state_file.exists() else {}
+    grades[summary["id"]] = summary["status"]
+    STATE.mkdir(exist_ok=True)
+    state_file.write_text(json.dumps(grades))
+
+
+def has_passed(drill):
+    """The drill's last recorded grade of mine/ passed (no grade recorded: not passed)."""
+    state_file = STATE / "grades.json"
+    return state_file.exists() and json.loads(state_file.read_text()).get(drill.id) == "passed"
+
+
+def walkthrough(drill, console, yes=False):
+    """content/<id>-walkthrough.md, the reference read line by line. Before the drill has passed
+    the learner confirms first: y/N on a terminal, `yes` (--yes, YES=1) in a script; without
+    either it says how, shows nothing, and exits 0."""
+    source = _pages.walkthrough_file(drill.id)
+    if not (yes or has_passed(drill)):
+        warning = (f"{drill.id.upper()} has not passed here yet (no passing `make grade DRILL={drill.id}` recorded), "
+                   f"and {source.relative_to(ROOT)} shows the reference solution, line by line.")
+        if not sys.stdin.isatty():
+            console.print(Text(f"{warning}\nTo read it anyway: make walkthrough DRILL={drill.id} YES=1 "
+                               f"(or python grader.py walkthrough {drill.id} --yes)."))
+            return 0
+        console.print(Text(warning))
+        if console.input("Show it anyway? [y/N] ").strip().lower() not in ("y", "yes"):
+            console.print("Not shown.")
+            return 0
+    console.print(Markdown(source.read_text()))
+    return 0
+
+
+def page(drill, console, answers=False):
+    """content/<id>.md rendered for the terminal, the self-tests' answers folded: shown with
+    `answers` (ANSWERS=1, --answers), or on a terminal by a key press after the page."""
+    text = _pages.page_file(drill.id).read_text()
+    hidden = f"(answer folded: make page DRILL={drill.id} ANSWERS=1 shows the answers)"
+    console.print(Markdown(_pages.for_terminal(text, answers, hidden)))
+    if answers or not (console.is_terminal and sys.stdin.isatty()):
+        return 0
+    if console.input("\nPress Enter to show the self-tests' answers, or q and Enter to stop: ").strip().lower() == "q":
+        return 0
+    tests = [body for _, title, body in _pages.numbered_sections(_pages.for_terminal(text, True, hidden))
+             if "自测" in title]
+    console.print(Markdown("\n".join(tests)))
     return 0
 
 
@@ -193,20 +249,107 @@ def watch(drill, tree, grade_once, console, interval=1.0):
     return 0
 
 
-def diff(drill, tree, console):
-    """The reference and a tree's file side by side, changed lines highlighted."""
-    left = (ROOT / "solutions" / f"{drill.stem}.py").read_text().splitlines()
+def _fold(text, width):
+    """`text` (tabs expanded) cut into pieces of at most `width` terminal cells; at least one."""
+    pieces, piece = [], ""
+    for ch in text.expandtabs(4):
+        if piece and cell_len(piece + ch) > width:
+            pieces.append(piece)
+            piece = ""
+        piece += ch
+    return [*pieces, piece]
+
+
+SIDE_BY_SIDE = 120  # columns from which the two files stand side by side; below, a unified diff
+# Markers as diff -y and diff -u have them, so a diff reads the same piped, saved or in colour.
+_STYLE = {"-": "red", "+": "green", "<": "red", ">": "green", "|": "yellow", "@": "cyan"}
+
+
+def diff(drill, tree, console, other=None):
+    """A tree's file against the reference's (or `other` tree's): side by side with diff -y's
+    markers ('|' changed, '<' only on the left, '>' only on the right) on a terminal of at least
+    SIDE_BY_SIDE columns, else a unified diff ('-' left, '+' right, 3 lines of context); long
+    lines fold at the width, their continuations marked alike. Colour only adds to the markers.
+    The files are the learner's text: printed as text, control characters removed."""
+    from _render import clean_text
+    left_path = tree_path(other) / f"{drill.stem}.py" if other else ROOT / "solutions" / f"{drill.stem}.py"
     right_path = tree_path(tree) / f"{drill.stem}.py"
-    right = right_path.read_text().splitlines()
-    table = Table(header_style="bold", box=None, padding=(0, 1), expand=True)
-    table.add_column("solutions/" + drill.stem + ".py", ratio=1, overflow="fold")
-    table.add_column(str(right_path), ratio=1, overflow="fold")
-    for op, a0, a1, b0, b1 in difflib.SequenceMatcher(None, left, right, autojunk=False).get_opcodes():
-        style = None if op == "equal" else "red" if op == "delete" else "green" if op == "insert" else "yellow"
-        for i in range(max(a1 - a0, b1 - b0)):
-            a = left[a0 + i] if a0 + i < a1 else ""
-            b = right[b0 + i] if b0 + i < b1 else ""
-            table.add_row(Text(a, style=style), Text(b, style=style))
-    console.print(table)
+    names = [_shown(p) for p in (left_path, right_path)]
+    for path in (left_path, right_path):
+        if not path.is_file():
+            console.print(f"{_shown(path)} does not exist", style="red", markup=False, highlight=False)
+            return 2
+    left, right = (clean_text(p.read_text(errors="replace")).splitlines() for p in (left_path, right_path))
+    if left == right:
+        console.print(f"identical: {names[0]} and {names[1]}", markup=False, highlight=False)
+        return 0
+    lines = (_side_by_side if console.width >= SIDE_BY_SIDE else _unified)(left, right, names, console.width)
+    for marker, line in lines:
+        console.print(Text(line, style=_STYLE.get(marker) if console.is_terminal else None), soft_wrap=True,
+                      highlight=False)
     return 0
 
+
+def _shown(path):
+    return os.path.relpath(path, ROOT) if str(path).startswith(str(ROOT) + os.sep) else str(path)
+
+
+def _side_by_side(left, right, names, width):
+    """(marker, line) rows: the left line's number and text, the marker, the right's."""
+    side = (width - 3) // 2 - 5  # "1234 text" on each side of " m "
+    yield "", f"{'':5}{names[0][:side]:<{side}}   {'':5}{names[1][:side]}"
+    for op, a0, a1, b0, b1 in difflib.SequenceMatcher(None, left, right, autojunk=False).get_opcodes():
+        for i in range(max(a1 - a0, b1 - b0)):
+            a = a0 + i if a0 + i < a1 else None
+            b = b0 + i if b0 + i < b1 else None
+            marker = " " if op == "equal" else "|" if a is not None and b is not None else "<" if b is None else ">"
+            pieces_a = _fold(left[a], side) if a is not None else [""]
+            pieces_b = _fold(right[b], side) if b is not None else [""]
+            for k in range(max(len(pieces_a), len(pieces_b))):
+                number_a = f"{a + 1}" if a is not None and k == 0 else ""
+                number_b = f"{b + 1}" if b is not None and k == 0 else ""
+                text_a = pieces_a[k] if k < len(pieces_a) else ""
+                text_b = pieces_b[k] if k < len(pieces_b) else ""
+                pad = " " * (side - cell_len(text_a))
+                yield marker, f"{number_a:>4} {text_a}{pad} {marker} {number_b:>4} {text_b}".rstrip()
+
+
+def _unified(left, right, names, width):
+    """(marker, line) rows of a unified diff ('-' left, '+' right), each line folded at `width`."""
+    for line in difflib.unified_diff(left, right, names[0], names[1], n=3, lineterm=""):
+        if line.startswith(("---", "+++", "@@")):
+            yield from ((line[:1] if line.startswith("@@") else "", piece) for piece in _fold(line, width))
+            continue
+        for piece in _fold(line[1:], width - 1):
+            yield line[:1], line[:1] + piece
+
+
+# --- bench without a GPU -------------------------------------------------------
+
+
+def surely_no_gpu():
+    """Whether the bench surely cannot time here, known before torch is imported (seconds):
+    the interpreter asked for, or no NVIDIA device file. False: ask _env (it imports torch)."""
+    from pathlib import Path
+    asked = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+    return asked or not any(Path("/dev").glob("nvidia[0-9]*"))
+
+
+def bench_without_gpu(drills, console, reference=ROOT / "solutions"):
+    """`make bench` where kernels run in Triton's CPU interpreter: it says at once that the
+    bandwidth report needs a GPU, then prints each drill's traffic line for the reference
+    (tests/_traffic.py: its traffic case with every load and store counted, no test run;
+    the line is kept in .drills/ once counted, as the grade keeps it). Exit status 0."""
+    console.print("bandwidth: needs a GPU; here kernels run in Triton's CPU interpreter. The reference's traffic "
+                  "lines instead (bytes counted on each drill's traffic case, no test run):", markup=False,
+                  highlight=False)
+    import _traffic
+    for drill in drills:
+        if drill.traffic is None:
+            console.print(f"{drill.id.upper()}  no traffic case: its kernels' bytes are counted in the drills they "
+                          f"come from", markup=False, highlight=False)
+            continue
+        line = _traffic._reference_line(drill, reference)
+        console.print(line or f"{drill.id.upper()}  the traffic case did not run (make grade DRILL={drill.id} "
+                      f"TREE=solutions says why)", markup=False, highlight=False)
+    return 0

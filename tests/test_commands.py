@@ -346,3 +346,85 @@ def test_a_failing_tests_traceback_hides_the_machinery(tmp_path):
         assert result.returncode == 1 and says in out, out
         assert "def check_paged_prefill" not in out and "tests/_worker.py" not in out and "tests/drills/" not in out
         assert "test_chunk_over_a_prefix_sees_the_prefix" in out
+
+
+# --- diff: markers, the width, identical files, two learners ----------------------------
+
+
+def _edited_copy(tmp_path, name, edit):
+    """A tree holding solutions/l1_paged_kv_write.py with `edit` applied to its lines."""
+    tree = tmp_path / name
+    tree.mkdir()
+    lines = (ROOT / "solutions/l1_paged_kv_write.py").read_text().splitlines()
+    (tree / "l1_paged_kv_write.py").write_text("\n".join(edit(lines)) + "\n")
+    return tree
+
+
+def _changed(lines):
+    """One line changed, one deleted, one long line inserted."""
+    lines = list(lines)
+    lines[10] = "CHANGED = 1"
+    del lines[20]
+    lines.insert(30, "INSERTED = '" + "x" * 200 + "'")
+    return lines
+
+
+def test_diff_of_identical_files_says_so(here):
+    code, out = here("diff", "l1", "--tree", "solutions")
+    assert code == 0 and out.strip() == "identical: solutions/l1_paged_kv_write.py and solutions/l1_paged_kv_write.py"
+
+
+def test_diff_side_by_side_marks_changes_without_colour(here, tmp_path):
+    """Piped (no colour), wide: diff -y's markers; a long line folds, its pieces marked alike."""
+    tree = _edited_copy(tmp_path, "alice", _changed)
+    code, out = here("diff", "l1", "--tree", str(tree))
+    assert code == 0 and "\x1b[" not in out
+    rows = out.splitlines()
+    assert all(len(r) <= 160 for r in rows)
+    changed = [r for r in rows if " | " in r and "CHANGED = 1" in r]
+    deleted = [r for r in rows if r.rstrip().endswith("<")]
+    inserted = [r for r in rows if " > " in r and "x" * 20 in r]
+    assert len(changed) == 1 and changed[0].split(" | ")[0].strip().startswith("11 ")
+    assert len(deleted) == 1 and len(inserted) >= 2  # the 212-character line folds in two or more rows
+
+
+def test_diff_at_80_columns_is_a_unified_diff_that_fits(here, tmp_path, monkeypatch):
+    tree = _edited_copy(tmp_path, "alice", _changed)
+    monkeypatch.setenv("COLUMNS", "80")
+    code, out = here("diff", "l1", "--tree", str(tree))
+    rows = out.splitlines()
+    assert code == 0 and rows[0].startswith("--- solutions/") and f"+++ {tree}/l1_paged_kv_write.py".startswith(rows[1])
+    assert all(len(r) <= 80 for r in rows), max(rows, key=len)
+    assert "+CHANGED = 1" in rows and sum(r.startswith("+") and "xxxx" in r for r in rows) >= 3
+    assert any(r.startswith("-") and not r.startswith("---") for r in rows) and any(r.startswith("@@") for r in rows)
+
+
+def test_diff_puts_two_learners_side_by_side(here, tmp_path):
+    alice = _edited_copy(tmp_path, "alice", _changed)
+    bob = _edited_copy(tmp_path, "bob", lambda lines: lines)
+    code, out = here("diff", "l1", "--tree", str(alice), "--other", str(bob))
+    header = out.splitlines()[0]
+    assert code == 0 and str(bob) in header and str(alice) in header and header.index(str(bob)) < header.index(str(alice))
+    code, out = here("diff", "l1", "--tree", str(bob), "--other", str(tmp_path / "nobody"))
+    assert code == 2 and "is not a folder" in out
+
+
+# --- bench without a GPU: at once, the reference's traffic lines, no grade ---------------
+
+
+def test_bench_without_a_gpu_prints_traffic_lines_and_grades_nothing():
+    result = subprocess.run([sys.executable, "grader.py", "bench", "l1", "e1"], cwd=ROOT, capture_output=True,
+                            text=True, env={**os.environ, "COLUMNS": "200", "TRITON_INTERPRET": "1"}, timeout=180)
+    rows = result.stdout.splitlines()
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert rows[0].startswith("bandwidth: needs a GPU")
+    assert rows[1].startswith("L1  loads 1.00× the fewest bytes") and rows[1].endswith("at the roofline")
+    assert rows[2].startswith("E1  no traffic case") and len(rows) == 3
+
+
+def test_the_documented_command_forms_answer(here):
+    """README: each command also runs as `python grader.py <command> ...`."""
+    assert here("grade", "nope")[0] == 2 and "no drill 'nope'" in here("grade", "nope")[1]
+    with pytest.raises(SystemExit) as stop:
+        here("chat", "--help")
+    assert stop.value.code == 0
