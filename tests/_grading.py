@@ -31,16 +31,17 @@ from pathlib import Path
 import _env
 import _wrong
 from _diagnose import explain_error
-from _process import WORKER_PLAN, exit_name, run_process
+from _process import WORKER_PLAN, Child, exit_name, run_process
 from _report import read_signed
 from _tree import ROOT, worker_trees
 
 RESTARTS = 3       # fresh test processes after the test process itself dies
 
 
-def _pytest(drills, tree, report, timeout, env, deselect, variants=None, select=None, shard=None):
+def _pytest(drills, tree, report, timeout, env, deselect, variants=None, select=None, shard=None, stall=None):
     """One test process for the drills' test files; returns its exit code (None: killed
-    at the time limit), its output and the report's key."""
+    at the time limit, or after `stall` seconds in which its report did not grow), its
+    output and the report's key."""
     key_read, key_write = os.pipe()
     key = secrets.token_bytes(32)
     os.write(key_write, key)
@@ -62,10 +63,35 @@ def _pytest(drills, tree, report, timeout, env, deselect, variants=None, select=
         plan = dict(readable=worker_trees(tree), preload=list(drills[0].preload))
         env = {**(env or {}), WORKER_PLAN: json.dumps(plan)}
     try:
-        code, out, err = run_process(cmd, timeout, env, pass_fds=(key_read,))
+        if stall is None:
+            code, out, err = run_process(cmd, timeout, env, pass_fds=(key_read,))
+        else:
+            code, out, err = _wait_while_progressing(Child(cmd, env, (key_read,)), report, timeout, stall)
     finally:
         os.close(key_read)
     return code, out, err, key
+
+
+def _wait_while_progressing(child, report, timeout, stall):
+    """Wait for a test process as long as it makes progress: it is ended once its report
+    has not grown for `stall` seconds (each test writes a line when it starts and one when
+    it ends, and each of the learner's calls has its own limit), or after `timeout` seconds
+    in all when one is given. A busy machine then costs time, never the grading."""
+    started = last = time.monotonic()
+    size = 0
+    while True:
+        try:
+            child.proc.wait(timeout=2)
+            break
+        except subprocess.TimeoutExpired:
+            pass
+        now = time.monotonic()
+        grown = report.stat().st_size if report.exists() else 0
+        if grown != size:
+            size, last = grown, now
+        if now - last > stall or (timeout is not None and now - started > timeout):
+            break
+    return child.wait(0)
 
 
 def shards():
@@ -80,19 +106,19 @@ def shards():
     return 1 if _env.INTERPRET else max(1, min(8, (os.cpu_count() or 1) // 2))
 
 
-def run_tests(drills, tree, timeout, env=None, variants=None, select=None, count=1):
+def run_tests(drills, tree, timeout, env=None, variants=None, select=None, count=1, stall=None):
     """Run the tests of a list of drills in one test process, resuming in a fresh one
     after the test process dies; or in `count` shards at once (tests/_plugin.py's
     --drills-shard), merged. Returns (records, problems): the report's records and what
     went wrong around them."""
     if count <= 1:
-        return _run_shard(drills, tree, timeout, env, variants, select)
+        return _run_shard(drills, tree, timeout, env, variants, select, stall=stall)
     dump = (env or {}).get("DRILLS_CASE_DUMP")
     results = [None] * count
 
     def one(i):
         shard_env = {**(env or {}), **({"DRILLS_CASE_DUMP": f"{dump}.{i}"} if dump else {})}
-        results[i] = _run_shard(drills, tree, timeout, shard_env, variants, select, f"{i}/{count}")
+        results[i] = _run_shard(drills, tree, timeout, shard_env, variants, select, f"{i}/{count}", stall)
     threads = [threading.Thread(target=one, args=(i,), name=f"grading shard {i}") for i in range(count)]
     for thread in threads:
         thread.start()
@@ -122,7 +148,7 @@ def _merged(results):
     return ([collected] if collected else []) + outcomes, problems
 
 
-def _run_shard(drills, tree, timeout, env=None, variants=None, select=None, shard=None):
+def _run_shard(drills, tree, timeout, env=None, variants=None, select=None, shard=None, stall=None):
     """run_tests in one test process (or one shard, "I/K"), resumed after it dies."""
     env = {**(env or {}), "PYTHONUNBUFFERED": "1"}
     records, problems, done = [], [], []
@@ -130,8 +156,8 @@ def _run_shard(drills, tree, timeout, env=None, variants=None, select=None, shar
     with tempfile.TemporaryDirectory(prefix="drills-grade-") as tmp:
         for attempt in range(RESTARTS + 1):
             report = Path(tmp) / f"report-{attempt}.jsonl"
-            left = timeout - (time.monotonic() - started)
-            code, out, err, key = _pytest(drills, tree, report, max(left, 1), env, done, variants, select, shard)
+            left = None if timeout is None else max(timeout - (time.monotonic() - started), 1)
+            code, out, err, key = _pytest(drills, tree, report, left, env, done, variants, select, shard, stall)
             lines, forged = read_signed(report, key)
             if forged:
                 problems.append(f"the report holds {forged} line(s) the test process did not write: something "
@@ -140,8 +166,9 @@ def _run_shard(drills, tree, timeout, env=None, variants=None, select=None, shar
             finished = {r["test"] for r in lines if "outcome" in r}
             unfinished = [r for r in lines if "start" in r and r["start"] not in finished]
             if code is None:
-                where = unfinished[-1]["start"] if unfinished else "collecting the tests"
-                problems.append(f"timed out after {timeout:.0f} s in {where.split('::')[-1]}")
+                where = (unfinished[-1]["start"] if unfinished else "collecting the tests").split("::")[-1]
+                problems.append(f"made no progress for {stall:.0f} s in {where}" if timeout is None
+                                else f"timed out after {timeout:.0f} s in {where}")
                 break
             if not any("collected" in r for r in lines):
                 tail = "\n".join((err or out).strip().splitlines()[-12:])
@@ -270,13 +297,17 @@ def is_untouched_stub(drill, tree):
     return shown.returncode == 0 and path.is_file() and path.read_bytes() == shown.stdout
 
 
-def grade_variants(drills, folder, timeout):
+def grade_variants(drills, folder, stall=None):
     """Grade every planted bug in `folder` (<stem>/<name>/<stem>.py each) in one test
     process: a pitfall against the tests marked with it and the worked example, any
     other mistake against the worked example and every test marked with a pitfall.
-    Returns {(drill id, name): summary}."""
-    records, problems = run_tests(drills, ROOT / "solutions", timeout, {"DRILLS_HYPOTHESIS_PROFILE": "quick"},
-                                  variants=folder)
+    No budget for the whole: the process runs as long as it makes progress (`stall`,
+    default PLANTED_STALL), so a busy machine slows it and never cuts it short; each
+    planted call may take PLANTED_CALL_LIMIT s, since no planted bug hangs and a slow
+    call must not become a verdict. Returns {(drill id, name): summary}."""
+    env = {"DRILLS_HYPOTHESIS_PROFILE": "quick", "DRILLS_TIMEOUT": str(PLANTED_CALL_LIMIT)}
+    records, problems = run_tests(drills, ROOT / "solutions", None, env, variants=folder,
+                                  stall=stall or PLANTED_STALL)
     collected = [(t, v) for r in records if "collected" in r for t, v in zip(r["collected"], r["variants"])]
     grades = {}
     for drill in drills:
@@ -289,9 +320,11 @@ def grade_variants(drills, folder, timeout):
 
 
 _GRADING = {}  # the grading of every planted bug, once started: thread, then result or error
+PLANTED_CALL_LIMIT = 300  # seconds a planted bug's call may take (the learner's default is 60)
+PLANTED_STALL = 2 * PLANTED_CALL_LIMIT + 120  # seconds the planted-bug grading may go without finishing a test
 
 
-def start_grading(drills, timeout=900):
+def start_grading(drills):
     """Plant every pitfall and mistake of `drills` and grade them all in one test process
     (grade_variants), from a thread: the call returns at once, and the test session
     goes on with its other tests on the other core meanwhile. `graded` waits for it."""
@@ -305,7 +338,7 @@ def start_grading(drills, timeout=900):
 
     def grade():
         try:
-            _GRADING["result"] = grade_variants(drills, folder, timeout)
+            _GRADING["result"] = grade_variants(drills, folder)
         except BaseException as error:  # handed to whoever waits for the result
             _GRADING["error"] = error
     # A daemon thread: a session that ends early (pytest -x) does not wait for it, and

@@ -24,6 +24,15 @@ CASES = [(d, name) for d in DRILLS
          for name in (*[p for p, pitfall in d.pitfalls.items() if pitfall.applies(_env.INTERPRET)], *d.mistakes)]
 
 
+def _told(summary):
+    """What a planted bug's grade says, for a failure message: its status, what went wrong
+    around the tests (the grading's own problem), the first failure and the names."""
+    first = summary.get("first_failure") or {}
+    return (f"status {summary.get('status')}, {summary.get('passed')} passed of {summary.get('total')}; "
+            f"problem: {summary.get('problem')}; first failure: {first.get('kind')} {first.get('name')}: "
+            f"{str(first.get('message'))[:600]}")
+
+
 @pytest.fixture(scope="module")
 def planted_grades():
     """Every planted bug of every drill, graded in one test process of its own, each bug
@@ -37,13 +46,13 @@ def planted_grades():
 def test_planted_pitfall_fails_the_drill_and_is_named(planted_grades, case):
     drill, name = case
     summary = planted_grades[drill.id, name]
-    assert summary["status"] == "failing", f"{name} planted in {drill.stem} was not caught: {summary}"
+    assert summary["status"] == "failing", f"{name} planted in {drill.stem} was not caught: {_told(summary)}"
     named = [finding["pitfall"] for finding in summary["diagnosis"]]
     # On a GPU a mistake whose programs write one place races: its output is not one answer,
     # so the grade rightly names nothing; it must then have seen the race, not missed the match.
     if not _env.INTERPRET and name not in named and name in summary["undecided"]:
         return
-    assert name in named, f"{name} planted in {drill.stem}: the grader named {named}; {summary['first_failure']}"
+    assert name in named, f"{name} planted in {drill.stem}: the grader named {named}; {_told(summary)}"
 
 
 @pytest.mark.parametrize("case", [c for c in CASES if c[1] in c[0].mistakes],
@@ -51,10 +60,11 @@ def test_planted_pitfall_fails_the_drill_and_is_named(planted_grades, case):
 def test_other_mistakes_fail_and_are_described_not_misnamed(planted_grades, case):
     drill, name = case
     summary = planted_grades[drill.id, name]
-    assert summary["status"] == "failing", f"{name} planted in {drill.stem} was not caught: {summary}"
+    assert summary["status"] == "failing", f"{name} planted in {drill.stem} was not caught: {_told(summary)}"
     named = [finding["pitfall"] for finding in summary["diagnosis"]]
-    assert named == [], f"{name} planted in {drill.stem}: the grader wrongly named {named}"
+    assert named == [], f"{name} planted in {drill.stem}: the grader wrongly named {named}; {_told(summary)}"
     first = summary["first_failure"]
+    assert first, f"{name} planted in {drill.stem}: no test failed; {_told(summary)}"
     said = f"{first['kind']} {first['message']}"
     assert drill.mistakes[name].shows in said, f"{name}: the first failure says {said!r}"
 
