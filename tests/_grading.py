@@ -14,15 +14,11 @@ tests/test_wrong.py grades the planted bugs through it.
   when every crash of the run, and every other failure too, happened in a test
   marked with that pitfall.
 """
-import hashlib
 import json
 import os
 import secrets
-import site
-import stat
 import subprocess
 import sys
-import sysconfig
 import tempfile
 import threading
 import time
@@ -354,91 +350,3 @@ def graded(drills):
     if "error" in _GRADING:
         raise _GRADING["error"]
     return _GRADING["result"]
-
-
-# --- what the grade stands on ------------------------------------------------------------
-# The learner's code should be unable to write outside its scratch folder (tests/_sandbox.py);
-# this is the last line of defence: what it could have planted for later (a changed test, a
-# .pth or sitecustomize every later interpreter runs) is looked for before and after.
-
-MACHINERY = ("tests", "grader.py", "pyproject.toml", "Makefile")
-
-
-def _digest(path):
-    """sha1 of a regular file's content; a link's target; the kind of anything else
-    (never read: a FIFO or a device would block or never end); None if absent."""
-    try:
-        mode = os.lstat(path).st_mode
-        if stat.S_ISLNK(mode):
-            return "link to " + os.readlink(path)
-        if not stat.S_ISREG(mode):
-            return "a folder" if stat.S_ISDIR(mode) else "not a file"
-        with open(path, "rb") as f:
-            return hashlib.file_digest(f, "sha1").hexdigest()
-    except OSError:
-        return None
-
-
-def _tree_files(root):
-    """The repository's files: those git tracks or would track (not what .gitignore
-    hides: .venv, caches); without git, every file outside dot folders and caches."""
-    listed = subprocess.run(["git", "ls-files", "-co", "--exclude-standard", "-z"], cwd=root, capture_output=True)
-    if listed.returncode == 0:
-        return [os.fsdecode(name) for name in listed.stdout.split(b"\0") if name]
-    found = []
-    for folder, dirs, files in os.walk(root):
-        dirs[:] = [d for d in dirs if not d.startswith(".") and d != "__pycache__"]
-        found += [os.path.relpath(os.path.join(folder, f), root) for f in files]
-    return found
-
-
-def _site_folders():
-    """Where a .pth or a sitecustomize/usercustomize runs at every start of this
-    interpreter: the site folders (the venv's site-packages, the user's) and sys.path."""
-    paths = sysconfig.get_paths()
-    folders = {paths["purelib"], paths["platlib"], *getattr(site, "getsitepackages", list)(),
-               getattr(site, "getusersitepackages", str)(), *(p or os.getcwd() for p in sys.path)}
-    return sorted(f for f in folders if os.path.isdir(f))
-
-
-def snapshot(root=ROOT, site_folders=None):
-    """{path: digest} of what the grade stands on, taken before it runs: every file of the
-    repository (the learner's edits in mine/ included: after is compared with before,
-    not with the commit) and every .pth, sitecustomize and usercustomize (file, package
-    or compiled module) in the site folders."""
-    found = {name: _digest(os.path.join(root, name)) for name in _tree_files(root)}
-    for folder in _site_folders() if site_folders is None else site_folders:
-        for name in os.listdir(folder):
-            if name.endswith(".pth") or name.split(".")[0] in ("sitecustomize", "usercustomize"):
-                found[os.path.join(folder, name)] = _digest(os.path.join(folder, name))
-    return found
-
-
-def _shown(path, root):
-    """A path as a line shows it: short when under the repository, printable or ascii()."""
-    path = str(Path(path).relative_to(root)) if Path(path).is_relative_to(root) else path
-    return path if path.isprintable() else ascii(path)
-
-
-def integrity(root=ROOT, before=None, site_folders=None):
-    """(ok, sentence). Without `before`: whether the test machinery is what the repository
-    committed (a learner who edited the tests is warned). With the `snapshot` taken before
-    the grade: whether anything in it changed or appeared since (ok None: cannot tell)."""
-    if before is not None:
-        after = snapshot(root, site_folders)
-        changed = [f"{'new' if path not in before else 'removed' if after.get(path) is None else 'changed'} "
-                   f"{_shown(path, root)}" for path in sorted(set(before) | set(after))
-                   if before.get(path) != after.get(path)]
-        if changed:
-            return False, (f"changed during grading: {', '.join(changed[:5])}" +
-                           (f" and {len(changed) - 5} more" if len(changed) > 5 else ""))
-        return True, "nothing in the repository or site-packages changed during grading"
-    check = subprocess.run(["git", "status", "--porcelain", "--untracked-files=all", "--", *MACHINERY], cwd=root,
-                           capture_output=True, text=True)
-    if check.returncode != 0:
-        return None, "cannot check that tests/ is the committed one (no git history here)"
-    changed = [_shown(line[3:], root) for line in check.stdout.splitlines() if "__pycache__" not in line]
-    if changed:
-        shown = ", ".join(changed[:5]) + (", ..." if len(changed) > 5 else "")
-        return False, f"the grading machinery differs from the committed tree: {shown}"
-    return True, "tests/ and grader.py are the committed ones"

@@ -85,13 +85,15 @@ def commands(drill_id, tree, test=None):
 # How tests/_report.py marks a line of the learner's output that a library printed.
 INTERPRETER_MARK, LIBRARY_MARK = "(Triton's interpreter, not your print) ", "(a library, not your print) "
 
-STYLE = {"passed": "bold green", "failing": "bold red", "not started": "yellow"}
+STYLE = {"passed": "bold green", "failing": "bold red", "not started": "yellow",
+         "edited during grading": "bold yellow"}
 
 
 def status_text(s):
     failing = f"failing {s['failed']} of {s['total']}" if s["failed"] else "failing"  # 0: withdrawn, see its box
     passed = f"passed {s['passed']}/{s['total']}" + (f", {len(s['left_out'])} left out" if s.get("left_out") else "")
-    label = {"passed": passed, "not started": "not started", "failing": failing}
+    label = {"passed": passed, "not started": "not started", "failing": failing,
+             "edited during grading": "edited during grading"}
     return Text(label[s["status"]], style=STYLE[s["status"]])
 
 
@@ -147,6 +149,11 @@ class Printer:
             print_(Text.assemble((f"{s['id'].upper()} not started", "yellow"), f": read {s['page']}, then write "
                                  f"{clean_text(self.grade['tree_name'])}/{s['stem']}.py and run ",
                                  (commands(s["id"], self.grade["tree_name"])["grade"], "bold"), " again."))
+        if s.get("rejections_not_counted"):  # tests/_grading.py's summarize: refusals alone are no progress
+            print_(Text(f"      {s['rejections_not_counted']} input-rejection test(s) pass too; they count once the "
+                        f"worked example passes", style="dim"))
+        if s["status"] == "edited during grading":  # the learner saved while it ran: not a verdict
+            print_(Text(f"      {clean_text(s['problem'])}", style="yellow"))
         if s["status"] == "failing":
             print_(_failure_panel(s, self.grade["tree_name"]))
             if s.get("picture"):
@@ -255,8 +262,11 @@ def _failure_panel(s, tree):
                     body.append(line + "\n", style="dim" if line.startswith((INTERPRETER_MARK, LIBRARY_MARK)) else "")
     run = commands(s["id"], tree, first and first["name"])
     body.append(f"read {s['page']}; this drill alone: {run['grade']}; a hint: {run['hint']}; its picture: "
-                f"{run['show']}; the first failing test, with all your code prints: {run['test']}", style="italic")
-    return Panel(body, title=Text(f"{s['id'].upper()} {s['title']}: {s['failed']} of {s['total']} failing"),
+                f"{run['show']}" + (f"; the first failing test, with all your code prints: {run['test']}" if first
+                                    else ""), style="italic")
+    # No failed test (a pass withdrawn, a grade that could not run): no count to show.
+    count = f"{s['failed']} of {s['total']} failing" if s["failed"] else "failing"
+    return Panel(body, title=Text(f"{s['id'].upper()} {s['title']}: {count}"),
                  border_style="red", expand=False)
 
 

@@ -13,6 +13,7 @@ import time
 import pytest
 
 import _grading
+import _integrity
 import _wrong
 from _manifest import BY_ID
 from _tree import ROOT, load_front
@@ -92,11 +93,11 @@ def test_changed_machinery_is_reported(tmp_path):
     cloned = subprocess.run(["git", "clone", "-q", str(ROOT), str(tmp_path / "repo")], capture_output=True)
     if cloned.returncode != 0 or not (tmp_path / "repo/tests/_grading.py").exists():
         pytest.skip("this copy of the repository has no git history of its own")
-    clean = _grading.integrity(tmp_path / "repo")
+    clean = _integrity.integrity(tmp_path / "repo")
     assert clean[0] is True, clean
     test_file = tmp_path / "repo" / "tests" / f"test_{L1.stem}.py"
     test_file.write_text(test_file.read_text().replace("def test_", "def skipped_"))
-    dirty = _grading.integrity(tmp_path / "repo")
+    dirty = _integrity.integrity(tmp_path / "repo")
     assert dirty[0] is False and f"test_{L1.stem}.py" in dirty[1], dirty
 
 
@@ -197,13 +198,17 @@ def test_a_picture_keeps_its_colours_and_nothing_else():
     from rich.console import Console
 
     import _render
-    out = io.StringIO()
-    Console(file=out, force_terminal=True, color_system="standard", width=100).print(
-        _render.picture_text("\x1b[31mt0\x1b[0m \x1b[2J\x1b]0;title\x07 x\x1b[?1049h\x1bc " + REPAINT))
-    printed = out.getvalue()
-    assert "\x1b[31mt0" in printed  # the picture's own colour
-    assert not re.search("\x1b[^[]|\x1b\\[[0-9;?]*[^0-9;?m]", printed), repr(printed)  # nothing but colours
-    assert not re.search("[\x07\r\x80-\x9f]", printed)
+    # The picture as tests/_picture.py hands it back: segments, our styles beside the learner's text
+    picture = dict(title="drawn:\n", segments=[["t0", "red"], [" \x1b[2J\x1b]0;title\x07 x\x1b[?1049h\x1bc " + REPAINT, ""],
+                                              ["\x1b[1;32mL1 passed 35/35\x1b[0m\u202e", "dim"]])
+    for shown, colours in ((picture, {"\x1b[31m", "\x1b[2m", "\x1b[0m"}), ("\x1b[31mt0\x1b[0m" + REPAINT, set())):
+        out = io.StringIO()  # a string is plain text: no colour at all
+        Console(file=out, force_terminal=True, color_system="standard", width=100).print(_render.picture_text(shown))
+        printed = out.getvalue()
+        assert set(re.findall("\x1b\\[[0-9;]*m", printed)) == colours, repr(printed)  # ours only: no bold green
+        assert "passed 35/35" in printed and ("\x1b[31mt0" in printed) == bool(colours)
+        assert not re.search("\x1b[^[]|\x1b\\[[0-9;?]*[^0-9;?m]", printed), repr(printed)  # nothing but colours
+        assert not re.search("[\x07\r\x80-\x9f\u202e]", printed)
 
 
 def test_each_drill_prints_as_soon_as_it_is_graded_with_the_time_the_learner_waited(tmp_path, monkeypatch):
@@ -300,7 +305,7 @@ def _git(repo, *args):
                    capture_output=True)
 
 
-def test_integrity_finds_a_new_pth_or_a_changed_file_and_nothing_else(tmp_path):
+def test_integrity_finds_a_new_pth_or_changed_machinery_and_nothing_else(tmp_path):
     repo, site = tmp_path / "repo", tmp_path / "site-packages"
     (repo / "tests").mkdir(parents=True)
     (repo / "mine").mkdir()
@@ -314,26 +319,62 @@ def test_integrity_finds_a_new_pth_or_a_changed_file_and_nothing_else(tmp_path):
     _git(repo, "commit", "-qm", "x")
 
     def changed_by(change):
-        before = _grading.snapshot(repo, [site])
+        before = _integrity.snapshot(repo, [site])
         change()
-        return _grading.integrity(repo, before, [site])
+        return _integrity.integrity(repo, before, [site])
 
     assert changed_by(lambda: None)[0] is True
-    assert _grading.integrity(repo)[0] is True  # the machinery is the committed one
-    # what grading may leave (an ignored cache) is no change
+    assert _integrity.integrity(repo)[0] is True  # the machinery is the committed one
+    # what grading may leave (an ignored cache) is no change; nor is the learner's edit of their
+    # own files (the file a drill grades is watched per drill: see the test below)
     assert changed_by(lambda: (repo / "__pycache__").mkdir() or (repo / "__pycache__" / "x.pyc").write_text("."))[0]
+    for change in (lambda: (repo / "mine" / "x.py").write_text("x = 2\n"), lambda: (repo / "mine" / "y.py").touch(),
+                   lambda: (repo / "notes.md").write_text("mine\n")):
+        ok, said = changed_by(change)
+        assert ok is True, f"an edit of the learner's own files withdrew the grade: {said}"
     for change, says in ((lambda: (site / "evil.pth").write_text("import os\n"), "new "),
                          (lambda: (site / "ok.pth").write_text("import os\n"), "changed "),
                          (lambda: (site / "sitecustomize.py").write_text("import os\n"), "sitecustomize.py"),
-                         (lambda: (repo / "mine" / "x.py").write_text("x = 2\n"), "changed mine/x.py"),
                          (lambda: (repo / "tests" / "conftest.py").write_text("\n"), "new tests/conftest.py"),
-                         (lambda: (repo / "mine" / "x.py").unlink(), "removed mine/x.py")):
+                         (lambda: (repo / "conftest.py").write_text("\n"), "new conftest.py"),
+                         (lambda: (repo / "pytest.ini").write_text("[pytest]\n"), "new pytest.ini"),
+                         (lambda: (repo / "tests" / "test_x.py").unlink(), "removed tests/test_x.py")):
         ok, said = changed_by(change)
-        assert ok is False and says in said and said.startswith("changed during grading"), said
+        assert ok is False and says in said and said.startswith("changed during grading"), \
+            f"a change the grade stands on ({says!r}) was not reported as such: {ok}, {said!r}"
     # the learner's edits in mine/ before the grade are theirs; the machinery must be the committed one
     (repo / "tests" / "test_x.py").write_text("def test_x(): assert True\n")
-    ok, said = _grading.integrity(repo)
-    assert ok is False and "tests/test_x.py" in said and "conftest" in said
+    ok, said = _integrity.integrity(repo)
+    assert ok is False and "tests/test_x.py" in said and "conftest" in said, said
+
+
+def test_an_edit_during_grading_touches_only_the_drill_whose_file_it_is(tmp_path, monkeypatch):
+    """Saved while L1 is graded: another drill's file changes nothing (L1 and L2 pass);
+    L1's own file makes L1 "edited during grading", with no failure and no failing test to
+    point at, and the command to run it again (issue 48)."""
+    from rich.console import Console
+    files = {d: tmp_path / f"{d}.py" for d in ("l1", "l2")}
+    for path in files.values():
+        path.write_text("x = 1\n")
+    front = load_front()
+    monkeypatch.setattr(front._integrity, "graded_files", lambda drill, tree, stems: [files[drill.id]])
+    monkeypatch.setattr(front._integrity, "snapshot", lambda: {})
+    monkeypatch.setattr(front._integrity, "integrity", lambda before=None: (True, "unchanged"))
+    monkeypatch.setattr("_tree.load_front", lambda: front)
+    passed = {d: dict(_failing(BY_ID[d]), status="passed", passed=1, failed=0, first_failure=None) for d in files}
+    for saved, want in (("l2", ["passed", "passed"]), ("l1", ["edited during grading", "passed"])):
+        out = io.StringIO()
+        code, grade = _graded_in_process(
+            monkeypatch, tmp_path, Console(file=out, width=200), passed, ["l1", "l2"],
+            on_grade=lambda drill: drill.id == "l1" and files[saved].write_text(f"x = {time.monotonic()}\n"))
+        got = [s["status"] for s in grade["drills"]]
+        assert got == want, f"saving {saved}.py while L1 was graded gave {got}, not {want}:\n{out.getvalue()}"
+        assert code == (0 if saved == "l2" else 1), f"exit status {code} after saving {saved}.py"
+    text = out.getvalue()
+    said = grade["drills"][0]["problem"]
+    assert said == f"you edited {files['l1']} while it was graded: run `make grade DRILL=l1` again", said
+    assert said in text and "failing" not in text and "first failing test" not in text, \
+        f"an edit of the graded file must not read as a failure:\n{text}"
 
 
 def test_a_change_during_grading_withdraws_every_pass(tmp_path, monkeypatch):
@@ -341,19 +382,21 @@ def test_a_change_during_grading_withdraws_every_pass(tmp_path, monkeypatch):
 
     def integrity(root=ROOT, before=None, site_folders=None):
         return (False, "changed during grading: new evil.pth") if before is not None else (True, "committed")
-    monkeypatch.setattr(_grading, "integrity", integrity)
+    monkeypatch.setattr(_integrity, "integrity", integrity)
     passed = dict(_failing(L1), status="passed", passed=1, failed=0, first_failure=None)
     out = io.StringIO()
     code, grade = _graded_in_process(monkeypatch, tmp_path, Console(file=out, width=200), {"l1": passed}, ["l1"])
     assert code == 1 and grade["drills"][0]["status"] == "failing"
     assert grade["integrity"] == dict(ok=False, says="changed during grading: new evil.pth", during_grading=True)
     assert "new evil.pth" in grade["drills"][0]["problem"] and "every pass of this grade is withdrawn" in out.getvalue()
+    # a withdrawn pass has no failing test: the box neither counts "0 of 1 failing" nor points at one
+    assert "0 of 1" not in out.getvalue() and "first failing test" not in out.getvalue(), out.getvalue()
 
 
 def test_integrity_of_this_repository_takes_under_a_second():
     started = time.monotonic()
-    before = _grading.snapshot()
-    assert _grading.integrity(before=before)[0] is not None
+    before = _integrity.snapshot()
+    assert _integrity.integrity(before=before)[0] is not None
     assert time.monotonic() - started < 1
     assert any(path.endswith(".pth") for path in before) or not any(
         name.endswith(".pth") for name in os.listdir(sysconfig.get_paths()["purelib"]))
