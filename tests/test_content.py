@@ -3,10 +3,15 @@
 Conventions every page follows (content/README.md in words, here in code):
 - numbered sections are `## N. title`; "content/<id>.md §N" anywhere in the code
   must name one of them;
+- a drill's hints are the `### 提示 N` blocks of content/<id>-hints.md (shown by `make hint`), and
+  the reference read line by line is content/<id>-walkthrough.md (shown by `make walkthrough`):
+  the page itself, read with `cat` where `<details>` does not fold, holds no hint and no line of
+  the reference, and its hint and walkthrough sections say where they are;
 - a citation of the reference is a link `[solutions/<stem>.py:A-B](../solutions/<stem>.py#LA-LB)`
-  followed by a ```python block that reproduces exactly lines A..B;
-- the reference is quoted only inside `<details>` blocks whose summary says 先做题 (do the
-  drill first): a learner reads the problem, the concepts and the hints before any answer;
+  followed by a ```python block that reproduces exactly lines A..B, in whichever of the
+  three files holds it;
+- what the page still folds (self-test answers, long measurements) sits in `<details>` blocks
+  whose summary says 先做题 (do the drill first);
 - each pitfall is tagged `pitfall:<name>`;
 - the numbered sections come in one order (ORDER below);
 - a number quoted from BENCHMARKS.md or its history (MEASURED below) stands on a line that names
@@ -21,10 +26,12 @@ import re
 import pytest
 
 from _manifest import DRILLS
-from _pages import DETAILS, outside_details
+from _pages import DETAILS, HINT, hints, hints_file, numbered_sections, walkthrough_file
 from _tree import ROOT
 
 PAGES = {d.id: ROOT / d.page for d in DRILLS}
+# Each drill's three files: the page, its hints, its walkthrough.
+TEXTS = {d.id: (ROOT / d.page, hints_file(d.id), walkthrough_file(d.id)) for d in DRILLS}
 CITATION = re.compile(r"\[(solutions/\w+\.py):(\d+)-(\d+)\]\(\.\./\1#L\2-L\3\)\s*\n```python\n(.*?)```", re.S)
 
 
@@ -38,41 +45,65 @@ def sections(text):
 
 @pytest.mark.parametrize("drill_id", list(PAGES))
 def test_citations_reproduce_the_cited_lines(drill_id):
-    text = page(drill_id)
-    cited = CITATION.findall(text)
-    assert cited, f"{PAGES[drill_id]} cites no line range of its solution"
-    assert len(cited) == text.count("](../solutions/"), "a citation link is not followed by its ```python block"
-    for path, first, last, shown in cited:
-        lines = (ROOT / path).read_text().splitlines()[int(first) - 1:int(last)]
-        assert shown.rstrip("\n").splitlines() == lines, (
-            f"{PAGES[drill_id].name} cites {path}:{first}-{last}, but the block it shows is not those lines now")
+    """Every cited line range, in the page, its hints or its walkthrough, shows those lines now."""
+    assert CITATION.findall(walkthrough_file(drill_id).read_text()), (
+        f"{walkthrough_file(drill_id).name} cites no line range of its solution")
+    for source in TEXTS[drill_id]:
+        text = source.read_text()
+        cited = CITATION.findall(text)
+        assert len(cited) == text.count("](../solutions/"), (
+            f"{source.name}: a citation link is not followed by its ```python block")
+        for path, first, last, shown in cited:
+            lines = (ROOT / path).read_text().splitlines()[int(first) - 1:int(last)]
+            assert shown.rstrip("\n").splitlines() == lines, (
+                f"{source.name} cites {path}:{first}-{last}, but the block it shows is not those lines now")
 
 
 def answer_lines(stem):
-    """The reference's lines that give an answer away: longer than 25 characters, not an import,
-    a comment or a docstring, and not also in the stub (signatures and parameter lists are)."""
-    source = (ROOT / "solutions" / f"{stem}.py").read_text()
+    """The reference's lines that give an answer away, by the rule of the before-stop hook
+    (/work/shared/hooks/before-stop): longer than 25 characters, not a comment, an import or a
+    docstring's opening, and not also in the stub (signatures and parameter lists are)."""
     stub = {line.strip() for line in (ROOT / "mine" / f"{stem}.py").read_text().splitlines()}
-    docstrings = set()
-    for node in ast.walk(ast.parse(source)):
-        if isinstance(node, (ast.Module, ast.FunctionDef, ast.ClassDef)) and ast.get_docstring(node) is not None:
-            doc = node.body[0]
-            docstrings.update(range(doc.lineno, doc.end_lineno + 1))
-    return [line.strip() for number, line in enumerate(source.splitlines(), 1)
-            if len(line.strip()) > 25 and number not in docstrings and line.strip() not in stub
-            and not line.strip().startswith(("import ", "from ", "#"))]
+    return [line.strip() for line in (ROOT / "solutions" / f"{stem}.py").read_text().splitlines()
+            if len(line.strip()) > 25 and line.strip() not in stub
+            and not line.strip().startswith(("#", "import", "from", '"""'))]
+
+
+def shared_runs(text, other, length=30):
+    """The runs of `length` characters of `other` that stand in `text` too, whitespace and the
+    names of files (a citation such as "（tests/benchmarks-history.md）") aside."""
+    squeeze = lambda s: re.sub(r"\s+|[\w./-]+\.(?:md|py)", "", s)  # noqa: E731
+    text, other = squeeze(text), squeeze(other)
+    return sorted({other[i:i + length] for i in range(len(other) - length + 1)} & 
+                  {text[i:i + length] for i in range(len(text) - length + 1)})
 
 
 @pytest.mark.parametrize("drill", DRILLS, ids=lambda d: d.id)
-def test_no_solution_line_outside_details(drill):
-    """The page teaches before it answers: no line of the reference stands outside a folded block."""
+def test_the_page_tells_no_answer(drill):
+    """A page is read with `cat` as often as in a browser, and `<details>` does not fold there: the
+    page, as plain text, holds no line of the reference and no hint. Its hint section says where
+    the hints are and how many; its walkthrough section, where the walkthrough is."""
     text = (ROOT / drill.page).read_text()
-    assert text.count("<details>") == text.count("</details>") == len(DETAILS.findall(text)) > 0
+    quoted = [line for line in answer_lines(drill.stem) if line in text]
+    assert not quoted, f"{drill.page} quotes solutions/{drill.stem}.py (it belongs in the walkthrough): {quoted}"
+    assert not re.search(r"^### 提示 \d+", text, re.M), f"{drill.page} holds hint blocks"
+    for n, hint in enumerate(hints(drill.id), 1):
+        runs = shared_runs(text, hint)
+        assert not runs, f"{drill.page} holds text of hint {n}: {runs[:3]}"
+    assert text.count("<details>") == text.count("</details>") == len(DETAILS.findall(text))
     for summary, _ in DETAILS.findall(text):
         assert "先做题" in summary, f"{drill.page} has a <details> block whose summary does not say 先做题"
-    outside = outside_details(text)
-    quoted = [line for line in answer_lines(drill.stem) if line in outside]
-    assert not quoted, f"{drill.page} quotes solutions/{drill.stem}.py outside <details>: {quoted}"
+
+
+@pytest.mark.parametrize("drill", DRILLS, ids=lambda d: d.id)
+def test_hints_and_walkthrough_files(drill):
+    """Every drill of the manifest has its hints (`### 提示 1`, `### 提示 2`, ...) and its
+    walkthrough beside its page, each linking back to the page."""
+    found = HINT.findall(hints_file(drill.id).read_text())
+    assert found and [int(n) for n, _ in found] == list(range(1, len(found) + 1))
+    assert all(body.strip() for _, body in found), f"{hints_file(drill.id).name} has an empty hint"
+    for source in (hints_file(drill.id), walkthrough_file(drill.id)):
+        assert f"]({drill.id}.md)" in source.read_text(), f"{source.name} does not link its page"
 
 
 def test_track_map_links_every_drill_in_order():
@@ -131,10 +162,10 @@ MEASURED = ("BENCHMARKS.md", "tests/benchmarks-history.md")
 
 @pytest.mark.parametrize("drill_id", list(PAGES))
 def test_benchmark_numbers_are_the_measured_ones(drill_id):
-    """A number a page quotes on a line that names BENCHMARKS.md or its history stands in
-    one of the files that line names."""
+    """A number a page (or its hints or walkthrough) quotes on a line that names BENCHMARKS.md
+    or its history stands in one of the files that line names."""
     files = {name: (ROOT / name).read_text() for name in MEASURED}
-    for line in page(drill_id).splitlines():
+    for line in "\n".join(f.read_text() for f in TEXTS[drill_id]).splitlines():
         named = [name for name in MEASURED if name in line]
         for number in re.findall(r"(\d[\d.,]*) ?(?:GB/s|µs|%|×)", line) if named else ():
             assert any(number in files[name] for name in named), (
@@ -156,8 +187,8 @@ def test_page_numbers(drill, check):
 
 @pytest.mark.parametrize("drill_id", list(PAGES))
 def test_arithmetic_on_the_page(drill_id):
-    """Every `a / b = c %` and every product `a × b × ... = c` written on a page."""
-    text = page(drill_id)
+    """Every `a / b = c %` and every product `a × b × ... = c` written on a page, its hints or its walkthrough."""
+    text = "\n".join(f.read_text() for f in TEXTS[drill_id])
     for a, b, c in re.findall(r"(\d+) / (\d+) = ([\d.]+) ?%", text):
         assert 100 * int(a) / int(b) == pytest.approx(float(c), abs=0.05), f"{a} / {b} = {c} %"
     for left, result in re.findall(r"((?:\d+[^\d×=+\n]*×\s*)+\d+)[^\d=+\n]*= (\d+)", text):
@@ -187,18 +218,11 @@ def test_paths_a_page_names_exist(name):
 
 # The order every page teaches in: the problem (§1); concepts and the worked example
 # (the first section that works one by hand, 手算), in whatever order the drill needs,
-# up to the interface (the host side); then one section each of hints, pitfalls and
-# self-tests; last the folded walkthrough of the reference and the map of upstream
+# up to the interface (the host side); then one section each of hints (where they are),
+# pitfalls and self-tests; last the walkthrough (where it is) and the map of upstream
 # sources. Each part is found by the keywords of its `## N. title`.
 ORDER = (("interface", ("host 端",)), ("hints", ("提示",)), ("pitfalls", ("常见坑",)), ("self-tests", ("自测",)),
          ("walkthrough", ("逐行",)), ("source map", ("对照",)))
-
-
-def numbered_sections(text):
-    """[(number, title, body)] of the page's `## N. title` sections, in page order."""
-    found = list(re.finditer(r"^## (\d+)\. (.*)$", text, re.M))
-    ends = [m.start() for m in found[1:]] + [len(text)]
-    return [(int(m.group(1)), m.group(2), text[m.end():end]) for m, end in zip(found, ends)]
 
 
 def part_of(title):
@@ -210,7 +234,9 @@ def part_of(title):
 @pytest.mark.parametrize("drill_id", PAGES)
 def test_page_follows_the_common_order(drill_id):
     """Problem, concepts, worked example, interface, hints, pitfalls, self-tests, then the
-    folded walkthrough and source map: what content/README.md promises of every page."""
+    walkthrough and the source map: what content/README.md promises of every page. The hint
+    section says how many hints there are and how to see them; the walkthrough section, how
+    to see the walkthrough."""
     secs = numbered_sections(page(drill_id))
     numbers = [n for n, _, _ in secs]
     assert numbers == list(range(1, len(secs) + 1)), f"{drill_id}.md numbers its sections {numbers}"
@@ -228,7 +254,10 @@ def test_page_follows_the_common_order(drill_id):
     assert [p for _, p in got] == [name for name, _ in ORDER], (
         f"{drill_id}.md from its interface on reads {got}; it should be one section each of "
         f"{[name for name, _ in ORDER]}, in that order")
-    for (n, title, body), p in zip(after, parts[start:]):
-        if p in ("walkthrough", "source map"):
-            assert "<details>" in body, f"{drill_id}.md §{n} ({title}) is not folded in <details>"
-    assert re.search(r"^### 提示 1$", after[1][2], re.M), f"{drill_id}.md's hints are not `### 提示 N` blocks"
+    body = dict(zip(parts[start:], (b for _, _, b in after)))
+    assert f"这道题有 {len(hints(drill_id))} 条提示" in body["hints"], (
+        f"{drill_id}.md's hint section does not say how many hints {hints_file(drill_id).name} holds")
+    assert f"[{drill_id}-hints.md]({drill_id}-hints.md)" in body["hints"] and f"make hint DRILL={drill_id}" in body["hints"]
+    assert f"[{drill_id}-walkthrough.md]({drill_id}-walkthrough.md)" in body["walkthrough"]
+    assert f"make walkthrough DRILL={drill_id}" in body["walkthrough"]
+    assert "<details>" in body["source map"], f"{drill_id}.md's source map is not folded in <details>"

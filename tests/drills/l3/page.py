@@ -3,7 +3,7 @@ import re
 
 import torch
 
-from _pages import section, self_test
+from _pages import hints, section, self_test
 from _traffic import check_page_line
 
 from .bench import BENCH
@@ -98,22 +98,18 @@ def check_self_test_tiles(text):
 # The formulas §4 asks for, which only the hints (§7) may give: the grid bound, the
 # first query block of a sequence, the end of the mask-free tiles, vLLM's clamp line.
 STAGED = ("total_q // BLOCK_Q + B", "query_start_loc[b] // BLOCK_Q + b", "(P + 1) // TILE",
-          'm_j = tl.where(m_j > float("-inf"), m_j, 0.0)', "first + r // group")
+          "base = where(m_new == −inf, 0, m_new)", "first + r // group")
 
 
 def check_hints_stage_the_formulas(text):
-    """§4 poses the problems and the hints of §7 answer them: each formula is in a hint,
-    and none stands in the open part before the hints (§1-§6)."""
-    from types import SimpleNamespace
-
-    from _commands import hints  # what `make hint DRILL=l3` prints, read the same way
-    given = hints(SimpleNamespace(page="content/l3.md"))
+    """§4 poses the problems and the hints (content/l3-hints.md, what `make hint DRILL=l3`
+    prints) answer them: each formula is in a hint, and none stands on the page."""
+    given = hints("l3")
     staged = "\n".join(given)
     assert "## 7. 提示" in text and text.index("## 7. 提示") < text.index("## 8. ") and len(given) >= 5
-    before = text[:text.index("## 7. 提示")]
     for formula in STAGED:
-        assert formula in staged, f"no hint of content/l3.md gives {formula}"
-        assert formula not in before, f"content/l3.md gives {formula} before the hints (§1-§6)"
+        assert formula in staged, f"no hint of content/l3-hints.md gives {formula}"
+        assert formula not in text, f"content/l3.md gives {formula}, which its hints stage"
 
 
 # 块 alone means nothing on this page: the chunk is 新段, the kernel's rows a 查询块,

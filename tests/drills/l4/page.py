@@ -7,7 +7,7 @@ import re
 import torch
 
 import _env
-from _pages import section
+from _pages import section, walkthrough
 from _traffic import check_page_line
 from _tree import load_drill
 from _wrong import folder, plant_edits
@@ -40,7 +40,9 @@ def check_worked_example(text):
 
 def check_occupancy(text):
     """§2: the program counts, for the bench shapes on an H200 (132 SMs), and the split
-    counts default_num_splits gives (4 · SMs // (B · H_kv), at most 32, at least 1)."""
+    counts default_num_splits gives (4 · SMs // (B · H_kv), at most 32, at least 1: the
+    reference's rule, in the walkthrough's §5)."""
+    text += walkthrough("l4")
     sms = 132
     for num_seqs, splits in ((8, 8), (64, 1), (16, 4), (1, 32)):
         assert max(1, min(32, 4 * sms // (num_seqs * 8))) == splits
@@ -50,7 +52,8 @@ def check_occupancy(text):
 
 def check_numbers_in_prose(text):
     """§2, §3, §5.1 and §8: the bytes per program and of the partials, the chunks of the
-    §5.1 example, the weights of the base-2 mistake and of the float16 merge."""
+    §5.1 example (the walkthrough's §5), the weights of the base-2 mistake and of the float16 merge."""
+    text += walkthrough("l4")
     assert 4096 * 128 * 2 * 2 == 2 * 2**20 and "共 2 MiB" in text  # K and V of one KV head of one sequence
     partials = 8 * 32 * 8 * (128 + 1) * 4
     assert abs(partials / 2**20 - 1) < 0.01 and "约 1 MiB" in text
@@ -113,10 +116,12 @@ def _fa2_num_splits(n, slots, n_blocks, max_splits=128):
 
 
 def check_fa2_heuristic(text):
-    """§5.3: FA2's rule on the B = 8 bench (64 programs, 2 x 132 slots, 4096 / 128 key blocks)
-    picks 4 splits at 0.9697; 5 splits make a nearly empty second wave (0.6061); this drill's
-    4-per-SM rule (528 slots) scores 8 and 10 splits the same way."""
-    sec = text[text.index("### 5.3"):text.index("## 6. ")]
+    """§5.3 (its reference part, in the walkthrough's §5): FA2's rule on the B = 8 bench (64
+    programs, 2 x 132 slots, 4096 / 128 key blocks) picks 4 splits at 0.9697; 5 splits make a
+    nearly empty second wave (0.6061); this drill's 4-per-SM rule (528 slots) scores 8 and 10
+    splits the same way."""
+    text = walkthrough("l4")
+    sec = text[text.index("### 参考解的段数规则"):text.index("## 10. ")]
     assert "num_splits_heuristic" in sec and "00979f57acf503b0b080ff08ada0007080074649" in sec
     splits, eff = _fa2_num_splits(8 * 8, 2 * 132, 4096 // 128)
     assert splits == 4 and "选 4 段" in sec

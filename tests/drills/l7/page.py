@@ -7,7 +7,7 @@ import math
 import torch
 
 import _env
-from _pages import section, self_test
+from _pages import section, self_test, walkthrough
 from _traffic import check_page_line
 from _tree import ROOT, load_drill
 
@@ -285,7 +285,7 @@ def check_kernel_shape(text):
 # §7: the reference's tiles and split rule on an H200 (132 SMs)
 
 def check_split_rule(text):
-    """§7's folded block: the reference's launch (its own constants and _launch, asked as if
+    """§7's reference part (in the walkthrough): the reference's launch (its own constants and _launch, asked as if
     on a GPU) and default_num_splits's rule worked for the bench shapes on 132 SMs."""
     sol = load_drill("solutions", "l7_mla_decode")
     gpu = torch.device("cuda")  # only its type is read: no GPU needed
@@ -293,7 +293,7 @@ def check_split_rule(text):
     assert sol._launch(128, torch.bfloat16, gpu) == (64, 64, 8, 1, 1)
     assert sol._launch(128, torch.float32, gpu)[:2] == (16, 16) and sol.MERGE_BLOCK_H == 4
     assert (sol.MAX_SPLITS, sol.CPU_NUM_SPLITS) == (32, 4)
-    sec = section(text, 7)
+    sec = section(walkthrough("l7"), 7)
     _lines(sec, "H ≤ 16 时 BLOCK_H = 16、TILE = 64 个 token、4 个 warp、3 级流水，每个 SM 2 个 program",
            "H > 16 时 BLOCK_H = 64、TILE = 64、8 个 warp、1 级流水，每个 SM 1 个 program", "BLOCK_H = 16、TILE = 16",
            "`S = min(32, max(1, ⌊P · SM 数 / (B · ⌈H / BLOCK_H⌉)⌋))`", "CPU 上固定 4 段", "一个 program 合并 4 个 head")
@@ -325,11 +325,11 @@ WALKTHROUGH_LINES = {  # line: what the prose says is there
 
 
 def check_walkthrough_lines(text):
-    """§12's prose says what stands on reference lines 45, 50, 114, 131, 169, ...: it still does."""
+    """The walkthrough's prose (§12) says what stands on reference lines 45, 50, 114, 131, 169, ...: it still does."""
     lines = (ROOT / "solutions" / "l7_mla_decode.py").read_text().splitlines()
     for number, snippet in WALKTHROUGH_LINES.items():
         assert snippet in lines[number - 1], f"solutions/l7_mla_decode.py:{number} no longer holds {snippet!r}"
-    sec = section(text, 12)
+    sec = section(walkthrough("l7"), 12)
     for cited in ("第 45–46 行", "第 50–51 行", "第 80–83 行", "第 86–88 行", "第 92–100 行", "第 113–114 行",
                   "第 124–126 行", "第 131 行", "第 169 行", "第 176 行", "第 180 行", "第 255 行以后"):
         assert cited in sec
