@@ -35,6 +35,12 @@ class Mismatch(AssertionError):
         self.undecided = list(undecided)
 
 
+# The inputs refused as they should be during the current test (reset per test by
+# tests/_plugin.py): a test that passes on refusals alone is marked `rejects`, and the grade
+# counts such passes only once the drill's worked example passes (tests/_grading.py).
+REFUSED = []
+
+
 @contextmanager
 def expect_value_error(what, section, pitfall=None):
     """The block must raise ValueError; anything else is explained. `pitfall` names
@@ -42,6 +48,7 @@ def expect_value_error(what, section, pitfall=None):
     try:
         yield
     except ValueError:
+        REFUSED.append(what)
         return
     except NotImplementedError:
         raise

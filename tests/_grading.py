@@ -202,9 +202,15 @@ def summarize(drill, records, problems=()):
     skipped = sum(r["outcome"] == "skipped" for r in ran)
     failures = [r for r in ran if r["outcome"] == "failed"]
     total = max(len(set(collected) | set(results)) - skipped, len(failures) + passed)
-    summary = dict(id=drill.id, stem=drill.stem, title=drill.title, page=drill.page, passed=passed,
+    # A pass that was only a refusal of bad input (marked `rejects`) is progress once the
+    # function gets the page's worked example right: until then it is neither passed nor
+    # failed, and the grade says how many there are.
+    worked = [r for r in ran if "worked_example" in r["name"]]
+    held = 0 if all(r["outcome"] != "failed" for r in worked) else \
+        sum(r["outcome"] == "passed" and bool(r.get("rejects")) for r in ran)
+    summary = dict(id=drill.id, stem=drill.stem, title=drill.title, page=drill.page, passed=passed - held,
                    failed=total - passed, skipped=skipped, total=total, problem="\n".join(problems) or None,
-                   first_failure=None, diagnosis=[])
+                   first_failure=None, diagnosis=[], rejections_not_counted=held)
 
     summary["timed_out"] = any(r.get("kind") == "timeout" for r in failures)
     summary["milestones"] = [line for name, line in drill.milestones.items()

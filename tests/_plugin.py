@@ -29,7 +29,7 @@ from hypothesis import HealthCheck, Phase, settings
 from _manifest import BY_STEM, DRILLS
 from _paged import release_big_memory
 from _tree import default_tree, tree_path, worker_trees
-from _diagnose import Mismatch
+from _diagnose import REFUSED, Mismatch
 from _process import become_subreaper
 from _worker import ISOLATE, WORKER, calls_made, end_strays, reset_all, stop_all, tree_module
 
@@ -72,6 +72,9 @@ def pytest_configure(config):
     config.addinivalue_line("markers", "pitfall(name): the test exists to catch this pitfall of the drill's page")
     config.addinivalue_line("markers", "mistake(name): the test exists to catch this other planted mistake of the drill")
     config.addinivalue_line("markers", "launches_nothing: the test's calls have nothing to do, so no kernel need run")
+    config.addinivalue_line("markers", "rejects: the test passes when the learner's code refuses bad input (set by "
+                                       "the plugin on a test whose pass was an expected ValueError); the grade "
+                                       "counts it only once the drill's worked example passes")
     if config.getoption("--drills-shard"):
         config.pluginmanager.register(Shard(config.getoption("--drills-shard")), "drills-shard")
     import _report
@@ -172,6 +175,7 @@ def pytest_collection_finish(session):
 
 def pytest_runtest_setup(item):
     reset_all(calls=True)  # each test gets its own time for the learner's code (and the planted variants')
+    REFUSED.clear()
     _per_example_budget(item)
 
 
@@ -203,6 +207,8 @@ def pytest_runtest_call(item):
     the drill). Counted in the learner's worker (tests/_launches.py); the functions the
     contract writes in plain PyTorch (`Drill.torch_only`) are exempt."""
     result = yield
+    if REFUSED:  # it passed by refusing bad input: progress only once the worked example passes
+        item.add_marker("rejects")
     drill = BY_STEM.get(item.path.stem.removeprefix("test_"))
     if drill is None or not ISOLATE or item.get_closest_marker("launches_nothing"):
         return result

@@ -171,7 +171,8 @@ class Reporter:
         report = (yield).get_result()
         if report.when == "call" or report.failed or report.skipped:
             record = dict(test=item.nodeid, name=item.name, outcome=report.outcome, variant=_variant(item),
-                          pitfall_test=[m.args[0] for m in item.iter_markers("pitfall")])
+                          pitfall_test=[m.args[0] for m in item.iter_markers("pitfall")],
+                          rejects=item.get_closest_marker("rejects") is not None)
             if report.skipped:  # why, so the grade can say which tests it left out
                 record["message"] = report.longrepr[2] if isinstance(report.longrepr, tuple) else str(report.longrepr)
             if report.failed and call.excinfo is not None:

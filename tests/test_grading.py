@@ -101,6 +101,54 @@ def test_changed_machinery_is_reported(tmp_path):
     assert dirty[0] is False and f"test_{L1.stem}.py" in dirty[1], dirty
 
 
+REFUSING = """
+from _diagnose import expect_value_error
+def test_worked_example():
+    assert WORKED, "the worked example is wrong"
+def test_rejects_bad_input():
+    with expect_value_error("a bad input", "content/x.md"):
+        raise ValueError("refused")
+def test_plain():
+    pass
+"""
+
+
+@pytest.mark.parametrize("worked", [False, True], ids=["worked-example-wrong", "worked-example-right"])
+def test_refusals_count_only_once_the_worked_example_passes(tmp_path, worked):
+    """A function that only raises ValueError passes every input-rejection test (L2: 18 of
+    50): such a pass is marked `rejects` by the plugin (it passed on an expected
+    ValueError) and counts once the worked example passes; until then the grade counts it
+    neither passed nor failed and says how many there are (issue 48)."""
+    from rich.console import Console
+
+    import _render
+    from _report import read_signed
+    (tmp_path / "test_refusing.py").write_text(f"WORKED = {worked}\n" + REFUSING)
+    key, report = b"k" * 32, tmp_path / "report.jsonl"
+    read, write = os.pipe()
+    os.write(write, key)
+    os.close(write)
+    ran = subprocess.run([sys.executable, "-m", "pytest", "-p", "_plugin", "-p", "no:cacheprovider", "-q",
+                          "--drills-report", str(report), "--drills-key-fd", str(read), "test_refusing.py"],
+                         cwd=tmp_path, capture_output=True, text=True, pass_fds=(read,),
+                         env={**os.environ, "PYTHONPATH": str(ROOT / "tests")})
+    os.close(read)
+    records, forged = read_signed(report, key)
+    assert forged == 0 and records, f"the run wrote no report:\n{ran.stdout}{ran.stderr}"
+    marked = {r["name"]: r.get("rejects") for r in records if "outcome" in r}
+    assert marked == dict(test_worked_example=False, test_rejects_bad_input=True, test_plain=False), \
+        f"only the test that passed on a refusal should be marked rejects: {marked}"
+    summary = _grading.summarize(BY_ID["l2"], records)
+    counts = {k: summary[k] for k in ("passed", "failed", "total", "rejections_not_counted")}
+    want = dict(passed=3, failed=0, total=3, rejections_not_counted=0) if worked else \
+        dict(passed=1, failed=1, total=3, rejections_not_counted=1)
+    assert counts == want, f"with the worked example {'right' if worked else 'wrong'}: {counts}, not {want}"
+    console = Console(record=True, width=200)
+    _render.Printer(console, dict(tree="t", tree_name="mine", device="CPU", drills=[summary])).drill(summary)
+    said = "1 input-rejection test(s) pass too; they count once the worked example passes"
+    assert (said in console.export_text()) is not worked, console.export_text()
+
+
 def test_a_crash_names_its_pitfall_only_when_every_failure_agrees():
     """A crash in a test marked with a crashing pitfall names it when every failure of the
     run is in a test marked with it; a mistake that also fails an unmarked test (values
