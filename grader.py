@@ -99,10 +99,11 @@ def grade_one(drill, tree, args, workdir, spinner, console):
     # Where the learner's code hung in a test, the picture and the traffic case give it a short
     # limit (tests/_worker.py's SHORT_TIMEOUT) rather than waiting the whole one again.
     limit = SHORT_TIMEOUT if summary.get("timed_out") else (args.test_timeout or TIMEOUT)
-    if summary["status"] == "failing":
+    ran = not summary.get("does_not_import")  # a file that does not import: nothing else runs it
+    if summary["status"] == "failing" and ran:
         spinner.update(f"drawing {drill.id.upper()}...")
         summary["picture"] = _picture.in_subprocess(drill, tree, console.width, console.is_terminal, workdir, limit)
-    if summary["status"] != "not started" and _env.INTERPRET:  # on a GPU the bandwidth report speaks
+    if summary["status"] != "not started" and _env.INTERPRET and ran:  # on a GPU the bandwidth report speaks
         spinner.update(f"counting {drill.id.upper()}'s bytes...")
         import _traffic  # numpy: not needed by `doctor`, which checks for it
         summary["traffic"] = _traffic.with_reference(drill, tree, ROOT / "solutions", limit)

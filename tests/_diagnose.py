@@ -41,6 +41,26 @@ class Mismatch(AssertionError):
 REFUSED = []
 
 
+class DoesNotImport(Exception):
+    """The learner's file does not import (tests/_plugin.py asks before any test of its drill
+    runs): one line saying so, then the line and a caret under where it stopped."""
+
+
+def does_not_import(path, error):
+    """The DoesNotImport for `error`, raised by the worker's import of `path` (as a line shows
+    it): the learner's error (said_error) and, from where it was raised (`error.where`:
+    "file:line: code", a SyntaxError's with a caret line under it), the line and a caret."""
+    where = getattr(error, "where", None) or ""
+    head, _, caret = where.partition("\n")
+    match = re.match(r"(?s).*?:(\d+): (.*)", head)
+    said = re.sub(r" \([^()\n]*, line \d+\)$", "", said_error(error))  # a SyntaxError's "(file, line N)": said below
+    if not match:
+        return DoesNotImport(f"{path} does not import: {said}")
+    code = match.group(2)
+    caret = caret or "^" * len(code)  # an error raised by a line: the whole line
+    return DoesNotImport(f"{path} does not import, line {match.group(1)}: {said}\n    {code}\n    {caret}")
+
+
 @contextmanager
 def expect_value_error(what, section, pitfall=None):
     """The block must raise ValueError; anything else is explained. `pitfall` names

@@ -219,6 +219,12 @@ def summarize(drill, records, problems=()):
                            for r in ran if r["outcome"] == "skipped"]
     real = [r for r in failures if r.get("kind") != "not_implemented"]
     ordered = sorted(real, key=_simplest_first)
+    imports = next((r for r in failures if r.get("kind") == "import"), None)
+    if imports:  # the file does not import (tests/_plugin.py): nothing else ran, nothing else to say
+        summary.update(status="failing", passed=0, failed=total, rejections_not_counted=0, does_not_import=True,
+                       problem="\n".join([imports["message"], *problems]), timed_out=False, milestones=[],
+                       left_out=[], undecided=[])
+        return summary
     first = (ordered or failures or [None])[0]
     if first:
         summary["first_failure"] = {k: first.get(k) for k in ("name", "kind", "message", "where", "example", "stdout",

@@ -28,8 +28,8 @@ from hypothesis import HealthCheck, Phase, settings
 
 from _manifest import BY_STEM, DRILLS
 from _paged import release_big_memory
-from _tree import default_tree, tree_path, worker_trees
-from _diagnose import REFUSED, Mismatch
+from _tree import ROOT, default_tree, tree_path, worker_trees
+from _diagnose import REFUSED, Mismatch, does_not_import
 from _process import become_subreaper
 from _worker import ISOLATE, WORKER, calls_made, end_strays, reset_all, stop_all, tree_module
 
@@ -273,7 +273,26 @@ def drill(request, tree, variant):
     # worker serves them), the session's tree, and the kernels E1 runs on (make grade KERNELS=).
     readable = worker_trees(Path(tree).parent if variant is not None else tree, request.getfixturevalue("tree"))
     entry = BY_STEM[stem]
-    return tree_module(tree, stem, contract=entry.contract, readable=readable, preload=entry.preload)
+    module = tree_module(tree, stem, contract=entry.contract, readable=readable, preload=entry.preload)
+    if ISOLATE:
+        _imports(request, path)
+    return module
+
+
+def _imports(request, path):
+    """The first question of a drill's file, asked in its worker (the import is the learner's
+    code) before any test calls it: does it import? If not, this test fails saying so in
+    one line, with the line and a caret (tests/_report.py's kind "import"), and every other
+    test of the module fails at once the same way (a module fixture's error is kept); a
+    grading run of one tree stops there: nothing else of the drill runs."""
+    try:  # a module's __dir__: every module has one, and its answer is plain data
+        WORKER.call(path.parent, path.stem, "__dir__", (), {})
+        WORKER.calls.pop("__dir__", None)  # not a call of the drill's (the launch count, a skip after a call)
+    except Exception as error:
+        if request.config.getoption("--drills-report") and not request.config.getoption("--drills-variants"):
+            request.session.shouldfail = "the file does not import"  # exit status 1, as for -x
+        shown = path.relative_to(ROOT) if path.is_relative_to(ROOT) else path
+        raise does_not_import(shown, error) from None
 
 
 @pytest.fixture(scope="session")

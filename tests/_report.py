@@ -15,7 +15,7 @@ import traceback
 
 import pytest
 
-from _diagnose import Mismatch, explain_error, said_error
+from _diagnose import DoesNotImport, Mismatch, explain_error, said_error
 from _render import INTERPRETER_MARK, LIBRARY_MARK, cleaned
 from _worker import LearnerCrash, LearnerTimeout
 
@@ -53,6 +53,8 @@ def classify(error):
     if any(isinstance(e, NotImplementedError) for e in chain):
         stub = next(e for e in chain if isinstance(e, NotImplementedError))
         return "not_implemented", str(stub)
+    if isinstance(error, DoesNotImport):
+        return "import", str(error)
     if isinstance(error, LearnerCrash):
         meaning = explain_error(str(error))
         return "crash", str(error) + (f"\n  which usually means: {meaning}" if meaning else "")

@@ -105,7 +105,16 @@ def _is_cuda_fatal(text):
 
 
 def _where(error, tree):
-    """The last line of the tree's own code the exception passed through."""
+    """The last line of the tree's own code the exception passed through; for a SyntaxError
+    in the tree (raised by the parser, not from a frame), its line and, below it, a caret
+    under where the parser stopped."""
+    if isinstance(error, SyntaxError) and str(error.filename or "").startswith(tree) and error.lineno:
+        text = (error.text or "").rstrip("\n")
+        code = text.strip()
+        start = max(0, min((error.offset or 1) - 1 - (len(text) - len(text.lstrip())), len(code)))
+        end = error.end_offset if error.end_lineno == error.lineno and error.end_offset else error.offset or 1
+        width = max(1, min(end - (error.offset or 1), len(code) - start))
+        return f"{error.filename}:{error.lineno}: {code}\n{' ' * start}{'^' * width}"
     frames = [f for f in traceback.extract_tb(error.__traceback__) if f.filename.startswith(tree)]
     return f"{frames[-1].filename}:{frames[-1].lineno}: {frames[-1].line}" if frames else None
 

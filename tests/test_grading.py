@@ -101,6 +101,37 @@ def test_changed_machinery_is_reported(tmp_path):
     assert dirty[0] is False and f"test_{L1.stem}.py" in dirty[1], dirty
 
 
+def test_a_file_that_does_not_import_is_said_in_one_line_and_nothing_else_runs(tmp_path):
+    """A typo: the grade asks the worker to import the file before any test calls it, says
+    in one line that it does not import, with the line and a caret under it, and runs no
+    test (48 s for a typo before, naming test_worked_example and leaking LearnerError)."""
+    tree = tmp_path / "typo"
+    tree.mkdir()
+    source = (ROOT / "solutions" / f"{L1.stem}.py").read_text().splitlines()
+    line = next(i for i, text in enumerate(source) if text.startswith("def ")) + 1
+    source.insert(line - 1, "x = = 3")
+    (tree / f"{L1.stem}.py").write_text("\n".join(source) + "\n")
+    summary = _grading.grade_drill(L1, tree, 300)
+    problem = summary["problem"] or ""
+    assert summary["status"] == "failing" and summary.get("does_not_import"), f"not graded as not importing: {summary}"
+    head, code, caret = (problem.splitlines() + ["", "", ""])[:3]
+    assert head == f"{tree / L1.stem}.py does not import, line {line}: SyntaxError: invalid syntax", head
+    assert code == "    x = = 3" and caret.strip() and set(caret.strip()) == {"^"}, f"no line and caret:\n{problem}"
+    assert summary["first_failure"] is None and summary["passed"] == 0 and summary["failed"] == summary["total"], \
+        f"a file that does not import has no first failing test to point at: {summary}"
+    assert "LearnerError" not in problem and "worked_example" not in problem, problem
+
+
+def test_an_error_at_import_shows_its_line_and_the_learners_own_error():
+    from _diagnose import does_not_import
+    from _worker import LearnerError
+    error = LearnerError("ModuleNotFoundError: No module named 'trtion'")
+    error.where = "/home/a/mine/l1.py:3: import trtion as tl"
+    said = str(does_not_import("mine/l1.py", error))
+    assert said == ("mine/l1.py does not import, line 3: ModuleNotFoundError: No module named 'trtion'\n"
+                    "    import trtion as tl\n    ^^^^^^^^^^^^^^^^^^^"), said
+
+
 REFUSING = """
 from _diagnose import expect_value_error
 def test_worked_example():
