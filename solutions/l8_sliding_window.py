@@ -240,7 +240,7 @@ def merge_kernel(out_ptr, parts_ptr, lse_ptr, out_stride, NUM_HEADS, NUM_PARTS: 
     w = tl.exp(s - tl.where(s_max == float("-inf"), 0.0, s_max))
     v = tl.load(parts_ptr + (first + parts)[:, None] * HEAD_SIZE + dims[None, :],
                 mask=(parts < NUM_PARTS)[:, None] & (dims < HEAD_SIZE)[None, :], other=0.0)
-    v = tl.where(w[:, None] > 0, v, 0.0)  # an empty part's v is never NaN here, but 0 * NaN would be
+    v = tl.where(w[:, None] > 0, v, 0.0)  # a part of weight 0 stays out even if its v were NaN (0 * NaN)
     total = tl.sum(w, axis=0)
     out = tl.sum(w[:, None] * v, axis=0) / tl.where(total > 0, total, 1.0)
     tl.store(out_ptr + row * out_stride + head * HEAD_SIZE + dims, out.to(out_ptr.dtype.element_ty),

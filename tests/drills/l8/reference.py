@@ -34,10 +34,8 @@ def ref_window_attention(query, k_cache, v_cache, block_table, query_start_loc, 
         first_pos = n - q_len
         lo_seq = 0 if window_left < 0 else max(first_pos - window_left, 0)
         first_block, last_block = lo_seq // block_size, -(-n // block_size)
-        blocks = table[b, first_block:last_block].to(k_cache.device)
         base = first_block * block_size  # key position of the first gathered row
-        k = k_cache[blocks].double().cpu().reshape(-1, num_kv_heads, head_size)[:n - base]
-        v = v_cache[blocks].double().cpu().reshape(-1, num_kv_heads, head_size)[:n - base]
+        k, v = (_gather(cache, table[b, first_block:last_block])[:n - base] for cache in (k_cache, v_cache))
         for i in range(q_len):
             t, p = starts[b] + i, first_pos + i
             lo = 0 if window_left < 0 else max(p - window_left, 0)
@@ -50,6 +48,16 @@ def ref_window_attention(query, k_cache, v_cache, block_table, query_start_loc, 
                 probs = probs[:, :-1]                                                # ... dropped after the softmax
             out[t] = torch.einsum("hk,khd->hd", probs, keys_v)
     return out
+
+
+def _gather(cache, blocks):
+    """The rows of `blocks` (a table row's slice), float64 on the CPU, [tokens, H_kv, D]. A
+    number no block has (a dead entry a mistake's window reaches) gives NaN rows."""
+    blocks = blocks.long()
+    valid = (blocks >= 0) & (blocks < cache.shape[0])
+    rows = cache[blocks.clamp(0, cache.shape[0] - 1).to(cache.device)].double().cpu()
+    rows[~valid] = float("nan")
+    return rows.reshape(-1, *cache.shape[2:])
 
 
 # (atol, rtol) against the float64 reference, as L3's and L4's: 16-bit runs round p to the

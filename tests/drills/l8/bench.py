@@ -1,0 +1,3 @@
+"""L8's bench."""
+BENCH = ()
+bench_work = None

@@ -1,0 +1,2 @@
+"""L8's picture."""
+picture = draw_case = None

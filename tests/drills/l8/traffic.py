@@ -1,0 +1,2 @@
+"""L8's traffic."""
+traffic = rows_read_before_window = None
