@@ -25,6 +25,7 @@ import os
 import pickle
 import socket
 import struct
+import time
 
 import torch
 
@@ -34,33 +35,46 @@ MAX_FDS = 250                     # SCM_RIGHTS carries at most 253 descriptors a
 _CHUNK = 64 << 20                 # copies in 64 MiB pieces: a 4 GiB cache never needs a second 4 GiB
 
 
-def send(sock, payload, fds=()):
+def send(sock, payload, fds=(), deadline=None):
     """Send one message, with these descriptors attached (the test process only): the
     first MAX_FDS with the header, any more in batches of one byte each (SCM_RIGHTS takes
-    at most 253 a message, and a model's parameters are hundreds of storages)."""
+    at most 253 a message, and a model's parameters are hundreds of storages). With a
+    `deadline` (time.monotonic()), the whole message is sent by then or TimeoutError: a
+    peer that stops reading cannot hold us past it."""
     header = _HEADER.pack(len(payload), len(fds))
     fds = list(fds)
     if fds:
+        _until(sock, deadline)
         socket.send_fds(sock, [header], fds[:MAX_FDS])
         for at in range(MAX_FDS, len(fds), MAX_FDS):
+            _until(sock, deadline)
             socket.send_fds(sock, [b"+"], fds[at:at + MAX_FDS])
     else:
+        _until(sock, deadline)
         sock.sendall(header)
-    sock.sendall(payload)
+    view = memoryview(payload)
+    while view:  # piece by piece, each with what is left of the one deadline
+        _until(sock, deadline)
+        view = view[sock.send(view[:_CHUNK]):]
 
 
-def recv(sock, take_fds=False):
+def recv(sock, take_fds=False, deadline=None, limit=MAX_MESSAGE):
     """(payload, fds) of the next message. take_fds=False (the test process) takes no
-    descriptor: any the peer attached are dropped by the kernel. EOFError at the end."""
+    descriptor: any the peer attached are dropped by the kernel. EOFError at the end.
+    With a `deadline` (time.monotonic()), the whole message arrives by then or
+    TimeoutError: one deadline for the message, not a timeout for each read (a peer that
+    announces a huge message and sends a byte now and then cannot stretch the wait).
+    A message announced longer than `limit` bytes is refused (TooLarge) before any of
+    it is read."""
     if take_fds:
         data, fds, _, _ = socket.recv_fds(sock, _HEADER.size, MAX_FDS)
         if len(data) < _HEADER.size:
             data += _exactly(sock, _HEADER.size - len(data))
     else:
-        data, fds = _exactly(sock, _HEADER.size), []
+        data, fds = _exactly(sock, _HEADER.size, deadline), []
     length, count = _HEADER.unpack(data)
-    if length > MAX_MESSAGE:
-        raise EOFError(f"a message of {length} bytes")
+    if length > min(limit, MAX_MESSAGE):
+        raise TooLarge(length, min(limit, MAX_MESSAGE))
     while take_fds and len(fds) < count:
         more, extra, _, _ = socket.recv_fds(sock, 1, MAX_FDS)
         if more != b"+" or not extra:
@@ -70,14 +84,34 @@ def recv(sock, take_fds=False):
         for fd in fds:
             os.close(fd)
         raise EOFError("a message's descriptors did not arrive")
-    return _exactly(sock, length), fds
+    return _exactly(sock, length, deadline), fds
 
 
-def _exactly(sock, n):
+class TooLarge(EOFError):
+    """A message announced longer than the receiver allows (what the call may return)."""
+
+    def __init__(self, length, limit):
+        super().__init__(f"a message of {length} bytes, more than the {limit} allowed")
+        self.length, self.limit = length, limit
+
+
+def _until(sock, deadline):
+    """Set the socket's timeout to what is left until `deadline` (None: block); TimeoutError
+    when nothing is left."""
+    if deadline is None:
+        return
+    left = deadline - time.monotonic()
+    if left <= 0:
+        raise TimeoutError("the deadline passed")
+    sock.settimeout(left)
+
+
+def _exactly(sock, n, deadline=None):
     buf = bytearray(n)
     view, got = memoryview(buf), 0
     while got < n:
-        k = sock.recv_into(view[got:], n - got)
+        _until(sock, deadline)
+        k = sock.recv_into(view[got:], min(n - got, _CHUNK))
         if k == 0:
             raise EOFError("the channel closed")
         got += k
@@ -118,7 +152,8 @@ class Sharing:
     at `path` (its name) may be written. `collect()` after the reply copies the written
     storages back and returns the names of read-only arguments the worker changed."""
 
-    def __init__(self):
+    def __init__(self, owner=None):
+        self.owner = owner   # (uid, gid) of a worker that left root (tests/_sandbox.py), or None
         self.storages = []   # _Shared, by index
         self.by_key = {}
         self.fds = []
@@ -148,6 +183,7 @@ class Sharing:
             else:
                 fd, shared = None, private.clone()
                 where = ("cuda",) + torch.multiprocessing.reductions.reduce_tensor(shared)
+                _give_ref_counter(where[2], self.owner)
             self.storages.append(_Shared(private, shared, fd, where))
         entry = self.storages[index]
         entry.names.add(name)
@@ -218,6 +254,20 @@ class _BytesPickler:
         if type(obj) is torch.Tensor:
             return self.sharing.ref(obj, self.name, self.written)
         return None
+
+
+def _give_ref_counter(args, owner):
+    """torch's CUDA IPC keeps a reference count for the shared allocation in a /dev/shm file
+    the sender makes (mode 0600) and the receiver opens by name: a worker that left root
+    (another uid) is given that file, as it could open it when it ran as our uid."""
+    if owner is None:
+        return
+    for value in args:
+        if isinstance(value, bytes) and value.startswith(b"/torch_"):
+            try:
+                os.chown("/dev/shm" + value.decode(), *owner)
+            except (OSError, UnicodeDecodeError):
+                pass
 
 
 def _source_ranges(storage, size):

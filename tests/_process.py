@@ -38,7 +38,8 @@ def die_with_parent():
 # CUDA and Triton read, and the drills' own variables; nothing else of the grader's (tokens,
 # keys, SSH_AUTH_SOCK).
 ENV_KEEP = ("PATH", "LANG", "LANGUAGE", "TZ", "LD_LIBRARY_PATH", "OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS",
-            "MKL_NUM_THREADS", "OPENBLAS_CORETYPE", "OPENBLAS_L2_SIZE", "DRILLS_KERNELS")
+            "MKL_NUM_THREADS", "OPENBLAS_CORETYPE", "OPENBLAS_L2_SIZE", "DRILLS_KERNELS",
+            "DRILLS_WORKER_UID")  # tests/_sandbox.py's: the uid a confined process takes where the grade is root
 ENV_PREFIXES = ("LC_", "CUDA_", "NVIDIA_", "TRITON_")
 
 
@@ -49,23 +50,146 @@ def allowed_env():
 def scratch_env(scratch):
     """Where a process that runs the learner's code keeps what it writes: all of it in its
     scratch folder (its home, its temporary files, Triton's and CUDA's caches)."""
-    return {name: os.path.normpath(os.path.join(scratch, sub)) for name, sub in (
+    found = {name: os.path.normpath(os.path.join(scratch, sub)) for name, sub in (
         ("HOME", "."), ("TMPDIR", "."), ("TRITON_CACHE_DIR", "triton"), ("TRITON_HOME", "."), ("CUDA_CACHE_PATH", "nv"))}
+    # Where it runs as a uid with no name (tests/_sandbox.py's drop from root), getpass.getuser()
+    # reads these rather than the user database.
+    return {**found, "USER": "drills-worker", "LOGNAME": "drills-worker"}
 
 
 _SCRATCH = []  # the folder every worker's scratch folder lives in (made on first use)
+# The folder a grade makes for one drill's scratch folders (tests/_grading.py's
+# drill_scratch): set, every process of that drill makes its own there, and the grader
+# removes it after the drill, whatever became of them (a killed test process runs no
+# atexit). Unset (a test run by hand), each process has a root of its own, removed at exit.
+SCRATCH_ROOT = "DRILLS_SCRATCH_ROOT"
 # A grading run's plan for its test process's worker (tests/_grading.py): the trees it reads
 # and the modules it preloads, as JSON.
 WORKER_PLAN = "DRILLS_WORKER_PLAN"
 
 
 def scratch_folder(prefix):
-    """A new folder for one confined process to write (a worker, a bench), inside this
-    process's scratch root, which is removed at exit whatever became of the process."""
-    if not _SCRATCH:
-        _SCRATCH.append(tempfile.mkdtemp(prefix="drills-sandbox-"))
-        atexit.register(shutil.rmtree, _SCRATCH[0], ignore_errors=True)
-    return tempfile.mkdtemp(prefix=prefix, dir=_SCRATCH[0])
+    """A new folder for one confined process to write (a worker, a bench), inside the
+    drill's scratch root (SCRATCH_ROOT, which the grader removes) or else this process's
+    own, removed at exit. Roots are 0711: a worker that left root (tests/_sandbox.py) may
+    pass to its own folder, and list none."""
+    root = os.environ.get(SCRATCH_ROOT)
+    if not (root and os.path.isdir(root)):
+        if not _SCRATCH:
+            _SCRATCH.append(tempfile.mkdtemp(prefix="drills-sandbox-"))
+            os.chmod(_SCRATCH[0], 0o711)
+            atexit.register(remove_tree, _SCRATCH[0])
+        root = _SCRATCH[0]
+    return tempfile.mkdtemp(prefix=prefix, dir=root)
+
+
+_FS_IOC_GETFLAGS, _FS_IOC_SETFLAGS = 0x80086601, 0x40086602
+_FS_IMMUTABLE_FL, _FS_APPEND_FL = 0x10, 0x20
+
+
+def remove_tree(path):
+    """Remove a folder that a confined process wrote, whatever it left there (FIFOs and
+    sockets are unlinked, never opened; a file or folder made immutable or append-only is
+    freed first, where we may). None when it is gone, else a sentence saying what is left."""
+    if not os.path.lexists(path):
+        return None
+    try:
+        shutil.rmtree(path)
+        return None
+    except OSError:
+        pass
+    import fcntl
+    import stat
+    for folder, dirs, files in os.walk(path):
+        for name in (folder, *(os.path.join(folder, n) for n in dirs + files)):
+            try:
+                fd = os.open(name, os.O_RDONLY | os.O_NONBLOCK | os.O_NOFOLLOW | os.O_CLOEXEC)
+            except OSError:
+                continue
+            try:
+                if stat.S_ISREG(os.fstat(fd).st_mode) or stat.S_ISDIR(os.fstat(fd).st_mode):
+                    flags = bytearray(8)
+                    fcntl.ioctl(fd, _FS_IOC_GETFLAGS, flags)
+                    value = int.from_bytes(flags[:4], sys.byteorder)
+                    if value & (_FS_IMMUTABLE_FL | _FS_APPEND_FL):
+                        value &= ~(_FS_IMMUTABLE_FL | _FS_APPEND_FL)
+                        fcntl.ioctl(fd, _FS_IOC_SETFLAGS, value.to_bytes(4, sys.byteorder) + bytes(4))
+            except OSError:
+                pass
+            finally:
+                os.close(fd)
+    try:
+        shutil.rmtree(path)
+        return None
+    except OSError as error:
+        left = sum(len(d) + len(f) for _, d, f in os.walk(path)) + 1
+        return f"could not remove {path} ({left} entries left): {error.strerror or error}"
+
+
+def shm_names():
+    """{name: (owner uid, inode)} of /dev/shm's entries (POSIX shared memory, torch's)."""
+    found = {}
+    try:
+        with os.scandir("/dev/shm") as entries:
+            for entry in entries:
+                try:
+                    info = entry.stat(follow_symlinks=False)
+                    found[entry.name] = (info.st_uid, info.st_ino)
+                except OSError:
+                    pass
+    except OSError:
+        pass
+    return found
+
+
+def _shm_in_use():
+    """The /dev/shm paths some live process we can see has open or mapped."""
+    used = set()
+    for pid in os.listdir("/proc"):
+        if not pid.isdigit():
+            continue
+        try:
+            for fd in os.listdir(f"/proc/{pid}/fd"):
+                try:
+                    target = os.readlink(f"/proc/{pid}/fd/{fd}")
+                except OSError:
+                    continue
+                if target.startswith("/dev/shm/"):
+                    used.add(target.removesuffix(" (deleted)"))
+            with open(f"/proc/{pid}/maps") as maps:
+                used.update(line.split(None, 5)[-1].strip() for line in maps if " /dev/shm/" in line)
+        except OSError:
+            continue
+    return used
+
+
+def remove_shm(before, uid=None):
+    """Remove the /dev/shm names a drill's confined processes made (they cannot list the
+    folder, only create and open names in it): with `uid` (the drill's own, where the
+    grade is root: tests/_sandbox.py's worker_user) every entry that uid owns; else the
+    entries that are new since `before` (shm_names), ours, and held by no live process.
+    Returns (how many removed, [sentences for those that could not be])."""
+    removed, failed = 0, []
+    now = shm_names()
+    if uid is not None:
+        gone = [name for name, (owner, _) in now.items() if owner == uid]
+    else:
+        used = _shm_in_use()
+        gone = [name for name, (owner, ino) in now.items() if owner == os.geteuid() and before.get(name) != (owner, ino)
+                and f"/dev/shm/{name}" not in used]
+    for name in gone:
+        path = os.path.join("/dev/shm", name)
+        problem = remove_tree(path) if os.path.isdir(path) and not os.path.islink(path) else None
+        if problem is None and os.path.lexists(path):
+            try:
+                os.unlink(path)
+            except OSError as error:
+                problem = f"could not remove {path}: {error.strerror}"
+        if problem:
+            failed.append(problem)
+        else:
+            removed += 1
+    return removed, failed
 
 
 def start_worker(readable, preload):

@@ -71,6 +71,7 @@ _RO = ("READ_FILE", "READ_DIR")                     # data
 _FILE_RIGHTS = ("EXECUTE", "WRITE_FILE", "READ_FILE", "TRUNCATE", "IOCTL_DEV")  # all a rule on a file may grant
 _DEVICE = ("READ_FILE", "WRITE_FILE", "TRUNCATE", "IOCTL_DEV", "READ_DIR")
 _SHM = ("READ_FILE", "WRITE_FILE", "TRUNCATE", "MAKE_REG", "REMOVE_FILE")  # torch's and POSIX shm; no listing
+_SCRATCH = tuple(r for r in _ALL if r not in ("MAKE_BLOCK", "MAKE_CHAR"))
 _NET_BIND_TCP, _NET_CONNECT_TCP = 1 << 0, 1 << 1    # ABI 4
 _SCOPE_ABSTRACT_UNIX_SOCKET, _SCOPE_SIGNAL = 1 << 0, 1 << 1  # ABI 6
 
@@ -157,10 +158,15 @@ def _mapped_library_folders():
 
 
 def _python_folders(kept):
-    """The Python install, the venv and the folders Python imports from, each with its
-    resolved target; less what `kept` refuses."""
+    """The interpreter's library folders (the standard library, its extension modules and
+    headers: Triton builds its launcher against Python.h), site-packages, the folders
+    Python imports from, each with its resolved target; less what `kept` refuses. Not the
+    prefixes themselves: a venv's own folder holds its configuration (a pip.conf with an
+    index token), the install's its scripts."""
+    import sysconfig
     prefixes = {sys.base_prefix, sys.prefix, sys.exec_prefix, getattr(sys, "base_exec_prefix", sys.prefix)}
-    found = set(prefixes)
+    paths = sysconfig.get_paths()
+    found = {paths[k] for k in ("stdlib", "platstdlib", "purelib", "platlib", "include", "platinclude") if k in paths}
     try:
         import site
         found.update(site.getsitepackages())
@@ -172,11 +178,25 @@ def _python_folders(kept):
     found.update(f for f in _compiler_folders() if not f.startswith(("/usr", "/bin")))
     found.update(os.path.realpath(p) for p in list(found))
     venvs = [os.path.realpath(p) for p in prefixes] + list(prefixes)
+    found = {p for p in found if os.path.realpath(p) not in venvs}  # a prefix's folder itself, never whole
     folders = []
     for path in sorted(p for p in found if os.path.exists(p) and kept(p, venvs)):
         if not any(_inside(path, f) for f in folders):  # sorted: a folder comes before what it holds
             folders.append(path)
     return folders
+
+
+def _python_files():
+    """The interpreter itself (what a child `python` execs) and the venv's pyvenv.cfg, which
+    a child interpreter reads to find its site-packages: its one configuration file read."""
+    found, link = {os.path.realpath(sys.executable)}, sys.executable
+    for _ in range(8):  # each link on the way (venv/bin/python -> .../bin/python -> python3.11)
+        if not os.path.islink(link):
+            break
+        found.add(link)
+        link = os.path.join(os.path.dirname(link), os.readlink(link))
+    found.update(os.path.join(p, "pyvenv.cfg") for p in (sys.prefix, os.path.dirname(os.path.dirname(sys.executable))))
+    return sorted(p for p in found if os.path.isfile(p) or os.path.islink(p))
 
 
 def _compiler_folders():
@@ -207,6 +227,7 @@ def _rules(scratch, readable, writable, version):
 
     rx, ro = _rights(_RX, version), _rights(_RO, version)
     rules = [(p, rx) for p in _python_folders(kept)]
+    rules += [(p, rx if os.access(p, os.X_OK) else ro) for p in _python_files()]
     rules += [(p, rx) for p in _SYSTEM + tuple(sorted(glob.glob("/usr/local/cuda*")))]
     rules += [(p, ro) for p in _ETC + _PROC + ("/sys",) + _DEV_RO]
     pid = str(os.getpid())  # /proc/self, resolved now: the worker's own folder, no other
@@ -214,7 +235,9 @@ def _rules(scratch, readable, writable, version):
     rules += [(p, ro) for p in readable]
     rules += [(p, _rights(_DEVICE, version)) for p in _DEV_RW + _device_files()]
     rules += [("/dev/shm", _rights(_SHM, version))]
-    rules += [(p, _rights(_ALL, version)) for p in (scratch, *writable)]
+    # No block or character device made there: a device node of the system disk, opened raw,
+    # would pass every rule above (seccomp refuses the mknod too).
+    rules += [(p, _rights(_SCRATCH, version)) for p in (scratch, *writable)]
     return rules
 
 
@@ -283,6 +306,29 @@ _DENIED = (
     "swapon", "swapoff", "mount", "umount2", "pivot_root", "bpf", "perf_event_open", "fanotify_init",
     "name_to_handle_at", "open_by_handle_at", "settimeofday", "clock_settime", "clock_adjtime", "adjtimex",
     "sethostname", "setdomainname", "syslog", "acct", "quotactl", "iopl", "ioperm",
+    # A real-time policy's busy loop starves the grader on few cores; sched_setattr's policy
+    # lies in memory the filter cannot read, so it is refused whole (sched_setscheduler below).
+    "sched_setattr",
+    # New namespaces (a user namespace's capabilities, a mount of its own) and joining others'.
+    "unshare", "setns",
+)
+# (call, argument, mask, value): refused where (argument & mask) == value.
+_S_IFMT, _S_IFCHR, _S_IFBLK = 0o170000, 0o020000, 0o060000
+_FS_IOC_SETFLAGS, _FS_IOC32_SETFLAGS, _FS_IOC_FSSETXATTR = 0x40086602, 0x40046602, 0x401C5820
+_CLONE_NAMESPACES = (0x00020000, 0x02000000, 0x04000000, 0x08000000, 0x10000000, 0x20000000, 0x40000000)
+_MASKED = (
+    # Device nodes: a block device of the system disk, opened raw, passes every Landlock rule.
+    ("mknod", 1, _S_IFMT, _S_IFCHR), ("mknod", 1, _S_IFMT, _S_IFBLK),
+    ("mknodat", 2, _S_IFMT, _S_IFCHR), ("mknodat", 2, _S_IFMT, _S_IFBLK),
+    # chattr: an immutable file outlives the grade's removal of the scratch folder. The command
+    # is an unsigned int: only its low 32 bits are compared.
+    ("ioctl", 1, 0xFFFFFFFF, _FS_IOC_SETFLAGS), ("ioctl", 1, 0xFFFFFFFF, _FS_IOC32_SETFLAGS),
+    ("ioctl", 1, 0xFFFFFFFF, _FS_IOC_FSSETXATTR),
+    # Real-time policies (SCHED_FIFO 1, SCHED_RR 2, SCHED_DEADLINE 6, with or without
+    # SCHED_RESET_ON_FORK), on itself too.
+    ("sched_setscheduler", 1, 0x7, 1), ("sched_setscheduler", 1, 0x7, 2), ("sched_setscheduler", 1, 0x7, 6),
+    # clone with a namespace flag (its flags are its first argument on x86_64 and aarch64).
+    *(("clone", 0, flag, flag) for flag in _CLONE_NAMESPACES),
 )
 _AF_UNIX, _SOCK_SEQPACKET = 1, 5
 # (call, argument, the one value allowed): refused where that argument holds anything else.
@@ -348,6 +394,11 @@ def _seccomp_filter():
         _add(sc, flt, refuse, "socket")
     for name, arg, allowed in _ON_ITSELF_ONLY:
         _add(sc, flt, refuse, name, sc.Arg(arg, sc.NE, allowed))
+    for name, arg, mask, value in _MASKED:
+        _add(sc, flt, refuse, name, sc.Arg(arg, sc.MASKED_EQ, mask, value))
+    # clone3 passes its flags in memory the filter cannot read: ENOSYS makes the C library
+    # fall back to clone, whose flags it can (as container runtimes do).
+    _add(sc, flt, sc.ERRNO(errno.ENOSYS), "clone3")
     try:
         flt.set_attr(sc.Attr.CTL_TSYNC, 1)  # every thread, not only this one
     except OSError:
@@ -373,6 +424,136 @@ def seccomp():
 
 
 # ---------------------------------------------------------------------------
+# Not root
+
+_CLONE_NEWNS, _CLONE_NEWNET = 0x00020000, 0x40000000
+_MS_NOSUID, _MS_NODEV, _MS_BIND, _MS_REC, _MS_PRIVATE = 0x2, 0x4, 0x1000, 0x4000, 0x40000
+_PR_SET_PDEATHSIG, _PR_SET_DUMPABLE, _PR_CAPBSET_DROP, _PR_CAP_AMBIENT, _PR_CAP_AMBIENT_CLEAR_ALL = 1, 4, 24, 47, 4
+WORKER_UID = "DRILLS_WORKER_UID"  # the uid a grade running as root hands its confined processes
+NOBODY = 65534
+
+
+def worker_user():
+    """(uid, gid) a confined process runs as where the grade runs as root, else None: the
+    grade's DRILLS_WORKER_UID (one per drill: tests/_grading.py, so that what a drill's
+    workers leave in /dev/shm is known by its owner), else nobody's 65534. The gid is the
+    same number, or the GPU device files' group where only their group may open them."""
+    if os.geteuid() != 0:
+        return None
+    uid = int(os.environ.get(WORKER_UID) or NOBODY)
+    gid = uid
+    try:
+        info = os.stat("/dev/nvidiactl")
+        if not info.st_mode & 0o006 and info.st_mode & 0o060:
+            gid = info.st_gid
+    except OSError:
+        pass
+    return uid, gid
+
+
+def _reachable(path, uid, gid):
+    """The first folder on the way to `path` that uid/gid may not pass (no search right), or None."""
+    at = "/"
+    for part in path.strip("/").split("/")[:-1]:
+        at = os.path.join(at, part)
+        info = os.stat(at)
+        bit = 0o100 if info.st_uid == uid else 0o010 if info.st_gid == gid else 0o001
+        if not info.st_mode & bit:
+            return at
+    return None
+
+
+def _mount(source, target, fstype, flags, data=None):
+    enc = (lambda x: x.encode() if isinstance(x, str) else x)
+    if _libc.mount(enc(source), enc(target), enc(fstype), ctypes.c_ulong(flags), enc(data)) != 0:
+        err = ctypes.get_errno()
+        raise OSError(err, f"mount {target}: {os.strerror(err)}")
+
+
+def _expose(paths, uid, gid):
+    """In this process's own mount namespace: every one of `paths` made reachable by
+    uid/gid, the same path as before. A folder on the way that they may not pass (root's
+    home, 0700, holding the Python install; pytest's 0700 temporary folders) is covered
+    with an empty tmpfs in which only the needed paths below it are bound again, so
+    everything else there (the home folder itself) is not even visible. Returns the
+    folders covered."""
+    covered, paths = [], sorted({p for p in paths if os.path.lexists(p)}, key=lambda p: (p.count("/"), p))
+    for path in paths:
+        for _ in range(8):  # a bound folder may hold another that blocks the way
+            blocking = _reachable(path, uid, gid)
+            if blocking is None or blocking in paths:
+                break
+            under = [p for p in paths if _inside(p, blocking)]
+            under = [p for p in under if not any(q != p and _inside(p, q) for q in under)]
+            links = {p: os.readlink(p) for p in under if os.path.islink(p)}  # made again, not bound
+            fds = {p: os.open(p, os.O_PATH | os.O_CLOEXEC) for p in under if p not in links}  # before the tmpfs
+            try:
+                _mount("tmpfs", blocking, "tmpfs", _MS_NOSUID | _MS_NODEV, "mode=0755,size=1m")
+                for p, target in links.items():
+                    os.makedirs(os.path.dirname(p), mode=0o755, exist_ok=True)
+                    os.symlink(target, p)
+                for p, fd in fds.items():
+                    folder = os.path.isdir(f"/proc/self/fd/{fd}")
+                    os.makedirs(os.path.dirname(p) if not folder else p, mode=0o755, exist_ok=True)
+                    if not folder:
+                        os.close(os.open(p, os.O_CREAT | os.O_WRONLY, 0o644))
+                    _mount(f"/proc/self/fd/{fd}", p, None, _MS_BIND | _MS_REC)
+            finally:
+                for fd in fds.values():
+                    os.close(fd)
+            covered.append(blocking)
+    return covered
+
+
+def _caps_left():
+    """The capability sets still held (CapPrm, CapEff, CapBnd, CapAmb, as in /proc/self/status)."""
+    with open(f"/proc/{os.getpid()}/status") as f:
+        return {k: int(v, 16) for k, v in (line.split(":") for line in f if line.startswith("Cap"))
+                if k != "CapInh" and int(v, 16)}
+
+
+def drop_root(paths, scratch, user):
+    """Where the grade runs as root: this process (one thread) leaves root for `user`
+    (uid, gid) with no capability and no supplementary group. First, in a mount and a
+    network namespace of its own: the `paths` it must read made reachable by that user
+    (`_expose`), and /proc/<pid>/net showing an empty network namespace rather than the
+    host's sockets; the scratch folder is given to the user. Then the bounding set is
+    dropped, the ids set (which clears the other capability sets), and the process made
+    dumpable again (else its /proc files stay root's and CUDA cannot name its threads).
+    Returns a few words for describe()'s line; raises OSError where a step failed."""
+    uid, gid = user
+    os.umask(0o022)
+    namespaces = _libc.unshare(_CLONE_NEWNS | _CLONE_NEWNET) == 0
+    covered = []
+    if namespaces:
+        _mount(None, "/", None, _MS_REC | _MS_PRIVATE)  # nothing done here reaches the host
+        covered = _expose([*paths, scratch], uid, gid)
+    for folder, dirs, files in os.walk(scratch):
+        for name in (folder, *(os.path.join(folder, n) for n in dirs + files)):
+            os.lchown(name, uid, gid)
+    for cap in range(64):
+        if _libc.prctl(_PR_CAPBSET_DROP, cap, 0, 0, 0) != 0 and ctypes.get_errno() == errno.EINVAL:
+            break  # past the last capability this kernel knows
+    _libc.prctl(_PR_CAP_AMBIENT, _PR_CAP_AMBIENT_CLEAR_ALL, 0, 0, 0)
+    os.setgroups([])
+    os.setresgid(gid, gid, gid)
+    parent = os.getppid()
+    os.setresuid(uid, uid, uid)
+    _libc.prctl(_PR_SET_DUMPABLE, 1, 0, 0, 0)
+    # A change of credentials clears the parent-death signal: asked again, so that the process
+    # still dies with the one that started it (and at once if that one is already gone).
+    _libc.prctl(_PR_SET_PDEATHSIG, 9, 0, 0, 0)
+    if os.getppid() != parent:
+        os._exit(0)
+    left = _caps_left()
+    if os.getuid() == 0 or os.geteuid() == 0 or left.get("CapPrm") or left.get("CapEff"):
+        raise OSError(errno.EPERM, f"still privileged after the drop: uid {os.getuid()}, {left}")
+    where = f"; own mount and network namespaces{', covered ' + ', '.join(covered) if covered else ''}" \
+        if namespaces else "; no namespaces of its own (/proc/<pid>/net shows the host's)"
+    return f"uid {uid} gid {gid}, no capabilities{where}"
+
+
+# ---------------------------------------------------------------------------
 # The whole confinement
 
 
@@ -389,9 +570,14 @@ def confine(scratch, readable=(), writable=()):
     version = abi()
     flt = _seccomp_filter()  # built first: pyseccomp's import reads what Landlock will hide
     done = []
+    user = worker_user()
+    rules = _rules(str(scratch), readable, writable, version)
+    # Root is left first (the rules' paths made reachable for the user), Landlock and seccomp
+    # then bind the unprivileged process.
+    dropped = drop_root([p for p, _ in rules], str(scratch), user) if user is not None else None
     if version >= 1:
         threads = len(os.listdir(f"/proc/{os.getpid()}/task"))
-        _landlock(_rules(str(scratch), readable, writable, version), version)
+        _landlock(rules, version)
         uncovered = threads - 1 if version < 8 else 0
         note = f"; {uncovered} earlier thread{'s' * (uncovered > 1)} not covered" if uncovered else ""
         done.append(f"landlock ABI {version} (read and write rules{note})")
@@ -399,6 +585,8 @@ def confine(scratch, readable=(), writable=()):
         _no_new_privs()
         flt.load()
         done.append("seccomp")
+    if dropped:
+        done.append(dropped)
     return ", ".join(done) or "none"
 
 
@@ -415,13 +603,16 @@ def missing():
 
 
 def describe():
-    """One line for the grade and --json: "landlock ABI 7 + seccomp", or what is missing."""
+    """One line for the grade and --json: "landlock ABI 7 + seccomp", or what is missing;
+    as root, with the uid the workers run as."""
     have = status()
     why = "kernel without seccomp" if not _kernel_has_seccomp() else "libseccomp or pyseccomp missing"
+    user = worker_user()
+    as_user = (f" + not root (uid {user[0]})" if os.environ.get(WORKER_UID) else " + not root") if user else ""
     if have["landlock"] and have["seccomp"]:
-        return f"landlock ABI {have['landlock']} + seccomp"
+        return f"landlock ABI {have['landlock']} + seccomp{as_user}"
     if have["landlock"]:
-        return f"landlock ABI {have['landlock']}; no seccomp ({why})"
+        return f"landlock ABI {have['landlock']}; no seccomp ({why}){as_user}"
     if have["seccomp"]:
-        return "seccomp; no Landlock (kernel without it)"
+        return f"seccomp; no Landlock (kernel without it){as_user}"
     return "none"

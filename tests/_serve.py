@@ -56,9 +56,10 @@ def serve(config):
         except (EOFError, OSError):
             return
         _, tree, stem, name, traffic, call = pickle.loads(payload)
+        printed, fds = fds[-2:], fds[:-2]  # the test process's files for what the call prints
         args, kwargs, storages = _channel.unpickle_request(call, fds)
         fatal, before, result = False, launched(), None
-        with _Captured() as captured:
+        with _Captured(printed):
             try:
                 _channel.send(sock, _channel.pickle_reply(("phase", "importing your module"), {}))
                 module = load_drill(tree, stem)
@@ -85,11 +86,10 @@ def serve(config):
                     text += " (make reset DRILL=... restores the stub)"
                 reply = ("error", (type(error).__name__, text, _where(error, tree)))
         try:
-            data = _channel.pickle_reply((*reply, captured.out, captured.err, launched() - before, fatal), storages)
+            data = _channel.pickle_reply((*reply, None, None, launched() - before, fatal), storages)
         except Exception as error:  # e.g. a result that cannot be pickled
             data = _channel.pickle_reply(("error", (type(error).__name__, f"the result of {name}() could not be "
-                                                    f"sent back: {error}", None), captured.out, captured.err, 0,
-                                          fatal), {})
+                                                    f"sent back: {error}", None), None, None, 0, fatal), {})
         # Let go of the call's tensors before replying: a CUDA storage received by IPC is the
         # test process's memory, which it frees (or reuses) once it has our answer.
         del args, kwargs, storages, reply, result
@@ -120,17 +120,19 @@ def _where(error, tree):
 
 
 class _Captured:
-    """What the learner's code prints during one call, at the file-descriptor level
-    (the interpreter's and the GPU's prints too), handed back with the reply. The files
-    are named (in the scratch folder), so that after a crash the test process can still
-    read what CUDA said before the process died."""
+    """What the learner's code prints during one call goes, at the file-descriptor level (the
+    interpreter's and the GPU's prints too), to the two files the test process handed over
+    with the call (`fds`, closed at the end): it reads them itself, after the reply or after
+    a crash (what CUDA said before the process died), from descriptors of its own."""
+
+    def __init__(self, fds):
+        self.fds = fds
 
     def __enter__(self):
         sys.stdout.flush(), sys.stderr.flush()
-        self.files = [open(os.path.join(tempfile.gettempdir(), f"call-{name}"), "w+b") for name in ("stdout", "stderr")]
         self.saved = [os.dup(1), os.dup(2)]
-        for fd, f in zip((1, 2), self.files):
-            os.dup2(f.fileno(), fd)
+        for fd, f in zip((1, 2), self.fds):
+            os.dup2(f, fd)
         self.py = sys.stdout, sys.stderr
         sys.stdout = io.TextIOWrapper(os.fdopen(os.dup(1), "wb"), write_through=True)
         sys.stderr = io.TextIOWrapper(os.fdopen(os.dup(2), "wb"), write_through=True)
@@ -142,10 +144,6 @@ class _Captured:
         for fd, saved in zip((1, 2), self.saved):
             os.dup2(saved, fd)
             os.close(saved)
-        texts = []
-        for f in self.files:
-            f.seek(0)
-            texts.append(f.read().decode(errors="replace")[-4000:])
-            f.close()
-        self.out, self.err = texts
+        for f in self.fds:
+            os.close(f)
         return False

@@ -37,11 +37,10 @@ debugger); the grade always isolates.
 import os
 import pickle
 import re
-import shutil
 import signal
-import stat
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -50,7 +49,7 @@ import torch
 import _channel
 import _data
 import _sandbox
-from _process import kill_descendants, start_worker
+from _process import kill_descendants, remove_tree, start_worker
 
 ISOLATE = os.environ.get("DRILLS_ISOLATE", "1") != "0"
 # Seconds of the learner's code one test (or hypothesis example) may use (DRILLS_TIMEOUT;
@@ -72,16 +71,30 @@ class LearnerError(Exception):
     """An exception of another type raised by the learner's code: `TypeName: message`."""
 
 
-def _last_cuda_error(scratch):
-    """The last "CUDA error: ..." line a crashed call printed (its stderr, kept by _serve; no link followed)."""
+def _tail(f, limit):
+    """The last `limit` bytes of one of a call's output files, as text. The file is ours: made
+    here, unnamed (nothing the worker can replace with a FIFO), and handed to the worker as a
+    descriptor; it may have made it gigabytes long, so only the tail is read."""
+    if f is None:
+        return ""
     try:
-        with os.fdopen(os.open(Path(scratch) / "call-stderr", os.O_RDONLY | os.O_NOFOLLOW), "rb") as f:
-            info = os.fstat(f.fileno())
-            f.seek(max(0, info.st_size - 8000))  # the tail only: the call may have printed gigabytes
-            text = f.read(8000).decode(errors="replace") if stat.S_ISREG(info.st_mode) else ""
-    except (OSError, TypeError):
-        return None
-    return ([None] + re.findall(r"CUDA error: [^\n]{1,200}", text))[-1]
+        size = os.fstat(f.fileno()).st_size
+        return os.pread(f.fileno(), limit, max(0, size - limit)).decode(errors="replace")
+    except OSError:
+        return ""
+
+
+def _last_cuda_error(err):
+    """The last "CUDA error: ..." line a crashed call printed on its stderr (`err`, the call's file)."""
+    return ([None] + re.findall(r"CUDA error: [^\n]{1,200}", _tail(err, 8000)))[-1]
+
+
+def _as_text(text):
+    """What the learner's code printed, as text to print: control characters and Unicode format
+    characters removed (tests/_render.py's cleaning), so that nothing it printed reaches a
+    terminal as an escape sequence, in the tests or in the picture's subprocess."""
+    from _render import clean_text
+    return clean_text(text)
 
 
 class LearnerCrash(Exception):
@@ -159,22 +172,22 @@ class Worker:
         if spare and self.spare is None:
             self.spare = ((self.readable, self.preload), self._launch())
 
-    def _receive(self, wait):
-        """The next message's bytes within `wait` seconds (None if it did not come whole: a
-        worker that sends half a message and stops is a time-out, not a wait forever)."""
-        self.sock.settimeout(max(wait, 1e-3))
+    def _receive(self, deadline, limit=_channel.MAX_MESSAGE):
+        """The next message's bytes, whole by `deadline` (time.monotonic()), or None: a worker
+        that sends half a message, or a byte now and then, is a time-out at the deadline, not
+        a wait forever. A message announced longer than `limit` raises _channel.TooLarge."""
         try:
-            payload, _ = _channel.recv(self.sock)
+            payload, _ = _channel.recv(self.sock, deadline=deadline, limit=limit)
         except TimeoutError:
             return None
         return payload
 
     def _boot(self):
         """Wait (bounded, outside the learner's time) until the worker is confined and ready."""
-        started = time.monotonic()
+        deadline = time.monotonic() + BOOT_TIMEOUT
         while not self.ready:
             try:
-                payload = self._receive(BOOT_TIMEOUT - (time.monotonic() - started))
+                payload = self._receive(deadline, limit=1 << 20)
             except (EOFError, OSError):
                 payload = None
             message = _data.loads(payload) if payload is not None else None
@@ -200,17 +213,22 @@ class Worker:
         self._boot()
         # Without the drill's contract every argument may be written (the machinery's own calls).
         names, writes = (contract or {}).get(name, ((), None))
-        sharing = _channel.Sharing()
+        sharing = _channel.Sharing(owner=_sandbox.worker_user())
+        # What the call prints goes to two files of ours, made here unnamed and handed over as
+        # descriptors (the last two of the request's): read back after the reply or a crash,
+        # they are never a path in a folder the worker writes.
+        printed = [tempfile.TemporaryFile(), tempfile.TemporaryFile()]
         try:
             request = pickle.dumps(("call", str(tree), stem, name, traffic,
                                     sharing.pickle_args(args, kwargs, names, writes)))
-            return self._exchange(name, request, sharing, traffic)
+            return self._exchange(name, request, sharing, traffic, printed)
         finally:
             sharing.close()
+            for f in printed:
+                f.close()
 
-    def _exchange(self, name, request, sharing, traffic):
+    def _exchange(self, name, request, sharing, traffic, printed=(None, None)):
         started, phase = time.monotonic(), "starting"
-        self.sock.settimeout(max(self.budget, 1))  # a worker that stops reading cannot hold the send either
         # A function that hung once is likely to hang again: its later calls get a few times its
         # slowest finished call (at least SHORT_TIMEOUT s), not the whole limit, so one endless
         # loop costs one test's limit plus seconds for each test after it.
@@ -221,22 +239,31 @@ class Worker:
                                  f"fail at once; fix the hang and grade again")
         short = max(SHORT_TIMEOUT, 4 * self.slowest.get(name, 0)) if name in self.hung else None
         budget = min(self.budget, short) if short else self.budget
+        # One deadline for the whole exchange: the request sent, every message read whole.
+        deadline = started + max(budget, 1e-3)
+        fds = [*sharing.fds, *(f.fileno() for f in printed if f is not None)]
         try:
-            _channel.send(self.sock, request, sharing.fds)
+            _channel.send(self.sock, request, fds, deadline=deadline)
+        except TimeoutError:
+            payload = None  # it stopped reading: a time-out, said below
         except OSError:
             self.stop()
             raise LearnerCrash(f"the process running your code died before {name}() was called")
+        limit = _reply_limit(sharing)
         while True:
-            left = budget - (time.monotonic() - started)
             try:
-                payload = self._receive(left) if left > 0 else None
+                payload = self._receive(deadline, limit) if time.monotonic() < deadline else None
                 message = None if payload is None else _data.loads(payload, sharing.view)
             except _data.NotData as error:
                 self.stop()
                 raise LearnerError(f"your code sent back something that is not data ({error}); return tensors, "
                                    f"numbers, strings, None, or tuples, lists and dicts of these") from None
+            except _channel.TooLarge as error:
+                self.stop(spare=True)
+                raise LearnerError(f"your code's process sent back {error.length} bytes, more than {name}() may "
+                                   f"return ({error.limit} bytes: a few times its arguments' size)") from None
             except (EOFError, OSError):
-                code, cuda = self._exit_code(), _last_cuda_error(self.scratch)
+                code, cuda = self._exit_code(), _last_cuda_error(printed[1])
                 sharing.collect()
                 self.stop(spare=True)
                 where = "at import of your module" if phase == "importing your module" else f"in {phase}"
@@ -265,9 +292,9 @@ class Worker:
         self.budget -= took
         if message[0] == "ok":
             self.slowest[name] = max(self.slowest.get(name, 0), took)
-        return self._reply(name, message, sharing, traffic)
+        return self._reply(name, message, sharing, traffic, printed)
 
-    def _reply(self, name, message, sharing, traffic):
+    def _reply(self, name, message, sharing, traffic, printed=(None, None)):
         if len(message) != 6 or type(message[4]) is not int:
             self.stop()
             raise LearnerError("your code's process sent back a malformed reply")
@@ -276,10 +303,14 @@ class Worker:
         if kind == "ok":
             calls, kernels = self.calls.get(name, (0, 0))
             self.calls[name] = (calls + 1, kernels + int(launched))
+        # What it printed is read from our own files (the reply's copy is not trusted), and
+        # passed on as text: in a test it lands in the record's stdout/stderr, in the
+        # picture's subprocess in the picture, never as escape sequences.
+        out, err = _tail(printed[0], 4000), _tail(printed[1], 4000)
         if out:
-            sys.stdout.write(str(out))
+            sys.stdout.write(_as_text(str(out)))
         if err:
-            sys.stderr.write(str(err))
+            sys.stderr.write(_as_text(str(err)))
         if fatal:
             self.stop()
         if changed:
@@ -315,6 +346,13 @@ class Worker:
         return f"exit code {code}"
 
 
+def _reply_limit(sharing):
+    """The most bytes a reply may hold: what a call may return is of the order of its
+    arguments (an output as large as the inputs, counts beside it), so a few times their
+    size, and 64 MiB for plain data (tokens, a block manager's replay)."""
+    return min(_channel.MAX_MESSAGE, (64 << 20) + 4 * sum(s.private.numel() for s in sharing.storages))
+
+
 def _end(launched):
     """Kill a launched worker (`(key, (proc, sock, scratch, log))`, or None) and what it started."""
     if launched is None:
@@ -329,7 +367,7 @@ def _end(launched):
         pass
     sock.close()
     log.close()
-    shutil.rmtree(scratch, ignore_errors=True)
+    remove_tree(scratch)
 
 
 WORKERS = []        # every worker of this process, for the plugin's per-test reset and stop

@@ -6,6 +6,7 @@ below reads its part. A check skips only where this machine lacks Landlock or se
 """
 import json
 import os
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -21,6 +22,7 @@ ROOT = TESTS.parent
 STATUS = _sandbox.status()
 NO_LANDLOCK = "no Landlock on this kernel"
 NO_SECCOMP = f"no seccomp here ({_sandbox.describe()})"
+MARKER = f"drills-host-socket-{os.getpid()}"
 
 LEARNER = '''
 import torch, triton, triton.language as tl
@@ -39,7 +41,7 @@ def double(x):
 # Runs in the confined process. `checks[name]` is "ok", or "denied <errno>" where the
 # kernel refused, or "error <what>" for anything else.
 PROBE = r'''
-import errno, json, os, resource, socket, subprocess, sys
+import ctypes, errno, fcntl, json, os, resource, socket, stat, struct, subprocess, sys
 import numpy, torch, triton
 sys.path.insert(0, TESTS)
 import _sandbox
@@ -107,6 +109,38 @@ check("prlimit parent", lambda: resource.prlimit(ppid, resource.RLIMIT_NOFILE))
 check("setpriority parent", lambda: os.setpriority(os.PRIO_PROCESS, ppid, os.getpriority(os.PRIO_PROCESS, ppid)))
 check("setaffinity parent", lambda: os.sched_setaffinity(ppid, os.sched_getaffinity(ppid)))
 check("signal parent", lambda: os.kill(ppid, 0))
+# ... what root could do, and what would outlive the grade or starve it.
+check("mknod char device", lambda: os.mknod(os.path.join(SCRATCH, "null"), 0o600 | stat.S_IFCHR, os.makedev(1, 3)))
+check("mknod block device", lambda: os.mknod(os.path.join(SCRATCH, "disk"), 0o600 | stat.S_IFBLK, os.makedev(7, 0)))
+check("mkfifo in scratch", lambda: os.mkfifo(os.path.join(SCRATCH, "fifo")))
+def chattr(request, value):
+    fd = os.open(os.path.join(SCRATCH, "ok.txt"), os.O_RDONLY)
+    try:
+        fcntl.ioctl(fd, request, value)
+    finally:
+        os.close(fd)
+check("chattr +i", lambda: chattr(0x40086602, struct.pack("l", 0x10)))       # FS_IOC_SETFLAGS, FS_IMMUTABLE_FL
+check("chattr +i high bits", lambda: chattr(0x140086602, struct.pack("l", 0x10)))  # the same, upper bits set
+check("fsxattr", lambda: chattr(0x401C5820, bytes(28)))                      # FS_IOC_FSSETXATTR
+check("SCHED_FIFO", lambda: os.sched_setscheduler(0, os.SCHED_FIFO, os.sched_param(1)))
+check("SCHED_RR reset on fork", lambda: os.sched_setscheduler(0, os.SCHED_RR | 0x40000000, os.sched_param(1)))
+libc = ctypes.CDLL(None, use_errno=True)
+def unshare(flags):
+    if libc.unshare(flags) != 0:
+        raise OSError(ctypes.get_errno(), "unshare")
+check("unshare user namespace", lambda: unshare(0x10000000))
+# ... and what it reads of the install and the host.
+check("read venv script", lambda: read(os.path.join(sys.prefix, "bin", "activate")))
+check("list venv", lambda: os.listdir(sys.prefix))
+check("read pyvenv.cfg", lambda: read(os.path.join(sys.prefix, "pyvenv.cfg")))
+def host_sockets():
+    if MARKER in open("/proc/self/net/unix").read():
+        raise LookupError("the host's Unix sockets are listed")
+check("host sockets not listed", host_sockets)
+checks["uid"] = os.getuid()
+checks["gid"] = os.getgid()
+checks["groups"] = os.getgroups()
+checks["caps"] = [line.split()[1] for line in open("/proc/self/status") if line.startswith(("CapPrm", "CapEff", "CapBnd"))]
 
 # A child inherits both.
 child = subprocess.run([sys.executable, "-S", "-c", CHILD], capture_output=True, text=True, timeout=30)
@@ -119,7 +153,7 @@ import socket
 out = []
 try:
     open(SECRET).read(); out.append("read")
-except PermissionError:
+except (PermissionError, FileNotFoundError):  # as root the folder is not even there (tests/_sandbox.py)
     out.append("no read")
 try:
     socket.socket(socket.AF_INET, socket.SOCK_DGRAM); out.append("socket")
@@ -160,7 +194,7 @@ def _constants(tmp):
     scratch, tree = tmp / "scratch", tmp / "tree"
     import pwd
     values = dict(TESTS=str(TESTS), SCRATCH=str(scratch), TREE=str(tree), SOLUTIONS=str(tmp / "solutions"),
-                  OUTSIDE=str(tmp / "outside.txt"), HOME=pwd.getpwuid(os.getuid()).pw_dir)
+                  OUTSIDE=str(tmp / "outside.txt"), HOME=pwd.getpwuid(os.getuid()).pw_dir, MARKER=MARKER)
     values["CHILD"] = f"SECRET = {str(tmp / 'solutions' / 'secret.py')!r}\n" + CHILD
     return "".join(f"{k} = {v!r}\n" for k, v in values.items())
 
@@ -172,12 +206,20 @@ def confined(tmp_path_factory):
         pytest.skip(NO_LANDLOCK)
     tmp = tmp_path_factory.mktemp("confined")
     _layout(tmp)
-    out = _run(_constants(tmp) + PROBE, tmp)
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as marker:  # a socket of the host's, by name
+        marker.bind("\0" + MARKER)
+        marker.listen(1)
+        out = _run(_constants(tmp) + PROBE, tmp)
     return out["description"], out["checks"], tmp
 
 
-def _refused(checks, names, errno_name):
-    wrong = {n: checks[n] for n in names if checks[n] != f"denied {errno_name}"}
+def _refused(checks, names, errno_name, hidden=False):
+    """Each check refused with `errno_name`; with hidden=True, as root, also a path not there at
+    all: a worker that left root sees a 0700 folder on the way (pytest's own) as an empty
+    tmpfs holding only what it may read (tests/_sandbox.py's _expose)."""
+    ok = {f"denied {errno_name}"} | ({"error FileNotFoundError(2, 'No such file or directory')"}
+                                     if hidden and os.geteuid() == 0 else set())
+    wrong = {n: checks[n] for n in names if checks[n] not in ok}
     assert not wrong, f"not refused with {errno_name}: {wrong}"
 
 
@@ -193,7 +235,8 @@ def test_the_learner_module_and_a_triton_kernel_run_confined(confined):
 def test_it_reads_nothing_beyond_python_the_system_and_its_tree(confined):
     _, checks, _ = confined
     _refused(checks, ("read sibling solutions", "read outside scratch", "list tmp dir", "list /tmp", "list home",
-                      "read project tests", "list project", "read parent environ", "read parent maps"), "EACCES")
+                      "read project tests", "list project", "read parent environ", "read parent maps"), "EACCES",
+             hidden=True)
     assert checks["import from sibling solutions"].startswith("error ModuleNotFoundError"), checks
 
 
@@ -236,7 +279,7 @@ for name, path, mode in (("tree", os.path.join(TREE, "learner_mod.py"), "r"),
                          ("outside", OUTSIDE, "r"), ("write outside", OUTSIDE, "a")):
     try:
         open(path, mode).close(); out.append(f"{name} ok")
-    except PermissionError:
+    except (PermissionError, FileNotFoundError):  # FileNotFoundError: as root, hidden (tests/_sandbox.py)
         out.append(f"{name} denied")
 print(json.dumps(out))
 '''
@@ -248,8 +291,8 @@ def test_an_older_landlock_is_handed_only_what_it_knows(tmp_path, version):
         pytest.skip(f"this kernel's Landlock is ABI {STATUS['landlock']}")
     _layout(tmp_path)
     out = _run(_constants(tmp_path) + f"VERSION = {version}\n" + OLD_ABI, tmp_path, timeout=30)
-    assert out == [f"landlock ABI {version} (read and write rules)", "tree ok", "scratch ok", "outside denied",
-                   "write outside denied"]
+    assert out[0].startswith(f"landlock ABI {version} (read and write rules)"), out
+    assert out[1:] == ["tree ok", "scratch ok", "outside denied", "write outside denied"]
 
 
 SECCOMP_ONLY = r'''
@@ -281,8 +324,41 @@ def test_status_describe_and_missing_agree():
     assert set(status) == {"landlock", "seccomp"} and status["landlock"] == _sandbox.abi()
     assert ("Landlock" in missing) == (not status["landlock"]) and ("seccomp" in missing) == (not status["seccomp"])
     if status["landlock"] and status["seccomp"]:
-        assert line == f"landlock ABI {status['landlock']} + seccomp"
+        assert line == f"landlock ABI {status['landlock']} + seccomp" + (" + not root" if os.geteuid() == 0 else "")
     elif not status["landlock"] and not status["seccomp"]:
         assert line == "none"
     else:
         assert "no " in line, line
+
+
+def test_it_makes_no_device_node_sets_no_file_flag_and_takes_no_realtime_policy(confined):
+    """Issue 47: a block device of the disk made in the scratch folder passes every rule; an
+    immutable file outlives the grade's clean-up; a SCHED_FIFO busy loop starves the grader.
+    seccomp refuses each (EPERM), whatever the uid; a FIFO is still a file it may make."""
+    _, checks, _ = confined
+    if not STATUS["seccomp"]:
+        pytest.skip(NO_SECCOMP)
+    _refused(checks, ("mknod char device", "mknod block device", "chattr +i", "chattr +i high bits", "fsxattr",
+                      "SCHED_FIFO", "SCHED_RR reset on fork", "unshare user namespace"), "EPERM")
+    assert checks["mkfifo in scratch"] == "ok"
+
+
+def test_it_reads_python_not_the_venvs_own_folder(confined):
+    """The interpreter's library folders and site-packages, not the prefix: a pip.conf (an index
+    token) or a script in the venv's own folder is not read; pyvenv.cfg is (a child interpreter
+    reads it)."""
+    _, checks, _ = confined
+    _refused(checks, ("read venv script", "list venv"), "EACCES", hidden=True)
+    assert checks["read pyvenv.cfg"] == "ok" or not os.path.exists(os.path.join(sys.prefix, "pyvenv.cfg"))
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="the grade runs as root here only where it is root")
+def test_as_root_it_leaves_root_before_the_learners_code(confined):
+    """Issue 47: where the grade runs as root, the confined process runs as an unprivileged uid
+    with no capability and no supplementary group, and its /proc/<pid>/net shows a network
+    namespace of its own, not the host's sockets."""
+    description, checks, _ = confined
+    assert checks["uid"] != 0 and checks["gid"] != 0 and checks["groups"] == [], checks
+    assert checks["caps"] == ["0000000000000000"] * 3, checks["caps"]
+    assert f"uid {checks['uid']}" in description and "no capabilities" in description, description
+    assert checks["host sockets not listed"] == "ok", checks
