@@ -12,7 +12,8 @@ tests/test_wrong.py grades the planted bugs through it.
   case is explained first (the page's worked example, then fixed cases, then
   hypothesis's), and a crash names the pitfall of the test it happened in only
   when every crash of the run, and every other failure too, happened in a test
-  marked with that pitfall.
+  marked with that pitfall; a crash in a test marked with a pitfall that other failures
+  name keeps the name (a crash says nothing against it).
 """
 import json
 import os
@@ -261,9 +262,12 @@ def _evidence(drill, ordered):
          if set(r.get("pitfalls") or ()) & set(r.get("pitfall_test") or ()) and not r.get("example")), [])
     # A name is withdrawn when a fixed test that exists to catch that pitfall failed
     # without naming it (and without being unable to tell: a racing mistake): the
-    # evidence contradicts itself, so it is no evidence.
+    # evidence contradicts itself, so it is no evidence. A crash in such a test is no
+    # contradiction: it ended before its check could say anything (a head tile stored past
+    # the end of lse can abort the process in one of the tests that name it elsewhere).
     named = [p for p in named if all(p in (r.get("pitfalls") or ()) or p in (r.get("undecided") or ())
-                                     for r in ordered if p in (r.get("pitfall_test") or ()) and not r.get("example"))]
+                                     for r in ordered if p in (r.get("pitfall_test") or ()) and not r.get("example")
+                                     and r.get("kind") != "crash")]
     # A crash in a test marked with a crashing pitfall is evidence for it, when every crash
     # happened in such a test and every failure that ran to the end did too: a mistake
     # that shows itself elsewhere (values written past out, say) is that story, and a

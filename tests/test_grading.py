@@ -193,6 +193,27 @@ def test_a_crash_names_its_pitfall_only_when_every_failure_agrees():
     assert _grading._evidence(l2, [unmarked, crash]) == []
 
 
+def test_a_crash_in_a_marked_test_keeps_the_name_the_other_failures_support():
+    """An L7 kernel with no head mask: five tests marked head_tile_unmasked name it, the sixth
+    crashes (its stores past the end of lse abort the process). The crash says nothing
+    against the name, so it stays; a crash alone names no pitfall that does not crash."""
+    l7 = BY_ID["l7"]
+    pitfall = "head_tile_unmasked"
+    named = [dict(name=f"test_head_tile_spare_rows_are_masked[{h}]", kind="mismatch", pitfall_test=[pitfall],
+                  pitfalls=[pitfall]) for h in (1, 3)]
+    crash = dict(name="test_head_tile_spare_rows_are_masked[63]", kind="crash", pitfall_test=[pitfall], pitfalls=[])
+    silent = dict(name="test_head_tile_spare_rows_are_masked[63]", kind="mismatch", pitfall_test=[pitfall],
+                  pitfalls=[])
+    for ordered in ([*named, crash], [crash, *named]):
+        said = _grading._evidence(l7, ordered)
+        assert said == [pitfall], f"a crash in a marked test withdrew the name its other tests support: {said}"
+    said = _grading._evidence(l7, [*named, silent])
+    assert said == [], f"a marked test that ran to its end without naming the pitfall must withdraw it: {said}"
+    assert not l7.pitfalls[pitfall].crashes
+    said = _grading._evidence(l7, [crash])
+    assert said == [], f"a crash alone named a pitfall that is not a crashing one: {said}"
+
+
 # --- what the grade prints: the learner's text as text, drill by drill, advice to paste --------
 
 # What a learner's print could hold to repaint the screen as a pass: clear it, bold green,

@@ -18,6 +18,7 @@ from _paged import DTYPES, caches_past_int32, changed, poisoned_out, snapshot
 from drills.l7 import (HUGE, WORKED_EXAMPLE, DecodeCase, check_decode, check_latent_read_once, check_padding_not_read,
                        check_write, decode_case, decode_params, random_write_case, worked_example_decode_case,
                        worked_example_numbers, write_case, write_params)
+from drills.l7.checks import WrongValues
 
 ALL_DTYPES = list(DTYPES.values())
 LATENT = (32, 16) if _env.INTERPRET else (512, 64)  # (R, P) of the fixed cases
@@ -190,8 +191,20 @@ def test_default_split_count(drill, device):
     run(drill, _case(device, [30, 130], seed=10))
 
 
+@pytest.mark.mistake("out_float32_when_not_given")
 def test_output_without_out_is_a_new_tensor(drill, device):
     run(drill, _case(device, [30, 130], num_splits=2, seed=11), use_out=False)
+
+
+@pytest.mark.mistake("merge_without_max")
+def test_large_scores_across_splits(drill, device):
+    """Scores in the hundreds (a sharp softmax, as a long context's can be), four splits: every
+    chunk's lse is past 88.7, where exp(lse) overflows float32, so the merge must weigh the
+    chunks by exp(lse - the largest lse). The other cases' lse stay near 10."""
+    case = _case(device, [50, 130], num_heads=3, scale=20.0 if LATENT[0] == 32 else 5.0, num_splits=4, seed=18)
+    smallest = float(case.reference()[1].min())
+    assert smallest > 100, f"this case exists to put every lse past 88.7, but its smallest is {smallest:.1f}"
+    run(drill, case)
 
 
 def test_decode_reads_what_the_write_wrote(drill, device):
@@ -387,9 +400,14 @@ def test_decode_past_int32_needs_int64_offsets(drill, device):
     for column, block in enumerate(table[0].tolist()):
         cache[block] = small.kv_cache[small.block_table[0, column]]
     large = DecodeCase(small.q_nope, small.q_pe, cache, table, small.seq_lens, small.scale, num_splits=2)
+    # Called as the small case was (a poisoned out=): a mismatch that only one way of calling
+    # shows (a wrong dtype when out= is left out) is no wrapped offset. Only wrong values
+    # (the contract kept) name int32; any other mismatch is said as it is.
+    out = poisoned_out(large.q_nope.shape, large.q_nope.dtype, device, torch.Generator().manual_seed(0),
+                       margin=64 * large.q_nope.shape[2])
     try:
-        check_decode(large, drill.mla_decode_attention(*large.args(), num_splits=2))
-    except Mismatch as error:
+        check_decode(large, drill.mla_decode_attention(*large.args(), **large.kwargs(), out=out.view), out)
+    except WrongValues as error:
         raise Mismatch(f"right in a small cache, wrong when blocks {num_blocks - 1} and {num_blocks - 3} start past "
                        f"2**31 elements into the cache: offsets computed in int32 wrap around "
                        f"(pitfall:int32_offsets, content/l7.md §10)\n{error}", ["int32_offsets"]) from None

@@ -87,6 +87,12 @@ def _explain_write(case, got, want):
 # The decode
 
 
+class WrongValues(Mismatch):
+    """The decode kept its contract (the output's shape, dtype, buffer) and its values are
+    wrong: non-finite, or outside the tolerance. The big-offset test names int32 offsets
+    only on this (a contract error is not a wrapped offset)."""
+
+
 def describe_decode(case):
     num_seqs, num_heads, rank = case.q_nope.shape
     splits = case.num_splits or "None (the function picks)"
@@ -132,12 +138,12 @@ def check_decode(case, result, out=None):
     pitfall, text = _explain(case, o, s, want_o, want_s, wrong, b, h)
     d = int(torch.nan_to_num((o[b, h] - want_o[b, h]).abs(), nan=float("inf")).argmax())
     what = "out is off" if wrong_o[b, h] else "out is right, but lse is off"
-    raise Mismatch(f"sequence {b} (seq_len {int(case.seq_lens[b])}), head {h}: {what}: {text}\n"
-                   f"  out[{b}, {h}, {d}]: expected {float(want_o[b, h, d]):.5g}, got {float(o[b, h, d]):.5g} "
-                   f"(tolerance {atol} + {rtol}·|expected|); lse[{b}, {h}]: expected {float(want_s[b, h]):.6g}, got "
-                   f"{float(s[b, h]):.6g}\n"
-                   f"  {int(wrong_o.sum())} of {wrong.numel()} (sequence, head) outputs wrong, {int(wrong_s.sum())} "
-                   f"lse wrong\n  {describe_decode(case)}", [pitfall] if pitfall else [])
+    raise WrongValues(f"sequence {b} (seq_len {int(case.seq_lens[b])}), head {h}: {what}: {text}\n"
+                      f"  out[{b}, {h}, {d}]: expected {float(want_o[b, h, d]):.5g}, got {float(o[b, h, d]):.5g} "
+                      f"(tolerance {atol} + {rtol}·|expected|); lse[{b}, {h}]: expected {float(want_s[b, h]):.6g}, "
+                      f"got {float(s[b, h]):.6g}\n"
+                      f"  {int(wrong_o.sum())} of {wrong.numel()} (sequence, head) outputs wrong, "
+                      f"{int(wrong_s.sum())} lse wrong\n  {describe_decode(case)}", [pitfall] if pitfall else [])
 
 
 def _spare_rows_past_the_end(case, out):
@@ -153,11 +159,13 @@ def _spare_rows_past_the_end(case, out):
     spare = -(-(int(after.nonzero().max()) + 1) // rank)  # rows from out's end to the last value written
     tile = (num_heads + spare) & -(num_heads + spare)       # the largest power of two dividing H + spare
     if bool(after[:spare * rank].all()) and tile > spare:
+        # What is known: the tiles are a power of two that divides H + spare (64 for H = 63 and
+        # one spare row: tiles of 2, 4, ..., 64 heads all leave it), not which one.
         raise Mismatch(f"{spare} head row(s) of {rank} values were written right after the end of out: H = "
-                       f"{num_heads} heads in tiles of {tile} leave {spare} spare row(s) in the last tile, and their "
-                       f"stores were not masked by head < H (in every sequence but the last they land in the next "
-                       f"one's rows) (pitfall:head_tile_unmasked, {SECTION})\n  {describe_decode(case)}",
-                       ["head_tile_unmasked"])
+                       f"{num_heads} heads stored in whole head tiles fill {num_heads + spare} rows, {spare} spare "
+                       f"row(s) in the last tile, and their stores were not masked by head < H (in every sequence "
+                       f"but the last they land in the next one's rows) (pitfall:head_tile_unmasked, {SECTION})\n  "
+                       f"{describe_decode(case)}", ["head_tile_unmasked"])
 
 
 def _non_finite(case, o, s, want_o, want_s, bad, atol, rtol):
@@ -172,13 +180,20 @@ def _non_finite(case, o, s, want_o, want_s, bad, atol, rtol):
     rest_right = bool((torch.isclose(o, want_o, atol=atol, rtol=rtol).all(dim=-1)[rest]).all()) and bool(
         torch.isclose(s, want_s, atol=LSE_TOLERANCE[0], rtol=LSE_TOLERANCE[1])[rest].all())
     if empty.any() and torch.equal(bad, empty) and rest_right:
-        return Mismatch(f"{head}: exactly the sequences of length 0 are NaN: with no token, acc = 0 and l = 0, and "
-                        f"0/0 is NaN; an empty sequence's answer is out = 0, lse = -inf "
-                        f"(pitfall:empty_sequence_nan, {SECTION})\n  {describe_decode(case)}", ["empty_sequence_nan"])
-    return Mismatch(f"{head}. Where it can come from: NaN read from a block no sequence owns, from the unused end of "
-                    f"a last block or through a block-table entry past the sequence's last block (here "
-                    f"{'2147480000' if case.garbage == 'huge' else 'the numbers of NaN blocks'}), a chunk or sequence "
-                    f"with no token left as 0/0, or -inf - (-inf) in the merge\n  {describe_decode(case)}")
+        return WrongValues(f"{head}: exactly the sequences of length 0 are NaN: with no token, acc = 0 and l = 0, "
+                           f"and 0/0 is NaN; an empty sequence's answer is out = 0, lse = -inf "
+                           f"(pitfall:empty_sequence_nan, {SECTION})\n  {describe_decode(case)}",
+                           ["empty_sequence_nan"])
+    # exp of an lse past log(float32's largest) = 88.72 is inf: a merge that weighs the
+    # splits by exp(lse) without subtracting the largest first gets inf / inf.
+    largest = float(want_s[torch.isfinite(want_s)].max()) if bool(torch.isfinite(want_s).any()) else 0.0
+    overflow = (f", or exp(lse) overflowing float32 in the merge: the largest lse here is {largest:.0f}, past 88.7, "
+                f"so the merge must subtract the largest lse before exp" if largest > 88.7 else "")
+    return WrongValues(f"{head}. Where it can come from: NaN read from a block no sequence owns, from the unused end "
+                       f"of a last block or through a block-table entry past the sequence's last block (here "
+                       f"{'2147480000' if case.garbage == 'huge' else 'the numbers of NaN blocks'}), a chunk or "
+                       f"sequence with no token left as 0/0, or -inf - (-inf) in the merge{overflow}\n  "
+                       f"{describe_decode(case)}")
 
 
 def _explain(case, o, s, want_o, want_s, wrong, b, h):

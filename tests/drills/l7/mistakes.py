@@ -75,6 +75,19 @@ MISTAKES = {
     "direct_store_forgotten": Mistake(shows="never written", edits=(
         (_DIRECT_STORE, "part.to(out_ptr.dtype.element_ty), mask=c_mask & (heads < 0)[:, None])  # planted: none"),
     )),
+    # Right in every other way: out, when the caller gives none, allocated as float32. The
+    # big-offset test (pitfall:int32_offsets) calls its two runs the same way, so this is
+    # said as the contract error it is, and int32 is not named (issue 48).
+    "out_float32_when_not_given": Mistake(shows="the output must have the query's dtype", edits=(
+        ("out = torch.empty((num_seqs, num_heads, rank), dtype=q_nope.dtype, device=device)",
+         "out = torch.empty((num_seqs, num_heads, rank), dtype=torch.float32, device=device)  # planted"),
+    )),
+    # The merge weighs the splits by exp(lse) without subtracting the largest: right while
+    # every lse stays below 88.7 (the other cases' are near 10), inf / inf past it.
+    "merge_without_max": Mistake(shows="exp(lse) overflowing float32", edits=(
+        ("    s_max = tl.max(s, axis=1)\n    s_max = tl.where(s_max == float(\"-inf\"), 0.0, s_max)",
+         "    s_max = tl.zeros([BLOCK_H], tl.float32)  # planted: no max subtracted"),
+    )),
 }
 if _env.INTERPRET:  # only the interpreter's counted bytes show it
     # Half of every head tile left empty: twice the programs, each reading the latent rows.
