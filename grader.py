@@ -183,6 +183,7 @@ def main(argv=None):
         for drill in drills:
             spinner.update(f"grading {drill.id.upper()} {drill.title}...")
             graded = _integrity.digests(_integrity.graded_files(drill, tree, [d.stem for d in DRILLS]))
+            scratch = _grading.DrillScratch(drill.id)  # the drill's scratch root (and workers' uid, as root)
             bench = _bench.Bench(drill, tree) if timing and not _grading.is_untouched_stub(drill, tree) else None
             if bench and ceiling is None:
                 ceiling = _bench.Ceiling()
@@ -191,8 +192,11 @@ def main(argv=None):
                 time_drill(grade, bench, ceiling, args.timeout, spinner)
             # Nothing the learner's code started may outlive its drill and touch what comes next.
             grade["leftover_processes_killed"] += kill_leftovers(keep=live_pids())
+            grade["drills"][-1]["left_behind"] = scratch.close()  # its scratch and /dev/shm names, removed
             check_integrity(grade, before, graded, args.tree)
             printer.drill(grade["drills"][-1])
+            for line in grade["drills"][-1]["left_behind"]:
+                console.print(f"      left behind: {line}", style="yellow", markup=False, highlight=False)
         if ceiling:
             ceiling.cancel()
 
