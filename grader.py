@@ -6,7 +6,7 @@ and on a GPU the bandwidth report.
     .venv/bin/python grader.py l1                 # one drill (= make grade DRILL=l1)
     .venv/bin/python grader.py --tree solutions   # the reference solutions
     .venv/bin/python grader.py --tree ~/alice/mine --json alice.json   # an instructor
-    .venv/bin/python grader.py show|hint|reset|watch|diff l1, grader.py doctor
+    .venv/bin/python grader.py show|hint|walkthrough|page|reset|watch|diff l1, grader.py doctor
                                                   # see tests/_commands.py
 
 This file is the front: arguments and the top-level flow; tests/_render.py draws
@@ -29,19 +29,30 @@ from types import SimpleNamespace
 ROOT = Path(__file__).resolve().parent
 sys.path.insert(0, str(ROOT / "tests"))
 
-import _env  # noqa: E402  -- first: decides CPU interpreter vs GPU
+import _catalog  # noqa: E402  -- the drills by name, without importing them (and torch)
 import _commands  # noqa: E402
-import _grading  # noqa: E402
-import _integrity  # noqa: E402
-import _picture  # noqa: E402
-import _sandbox  # noqa: E402
-from _manifest import DRILLS, drill as find_drill  # noqa: E402
 from _process import become_subreaper, kill_leftovers, stop_children_on_signals  # noqa: E402
 from _render import Printer, cleaned, for_json, make_console  # noqa: E402
 from _tree import default_tree, tree_path  # noqa: E402
-from _worker import SANDBOX, SHORT_TIMEOUT, TIMEOUT, live_pids  # noqa: E402
 
-COMMANDS = ("show", "hint", "reset", "doctor", "watch", "diff", "bench", "chat", "grade")
+COMMANDS = ("show", "doctor", "watch", "bench", "chat", "grade")  # and _commands.LIGHT
+
+
+def load_machinery():
+    """Import what grading, show, watch and bench need (torch behind it) into this module, _env
+    first (it decides CPU interpreter vs GPU); the tests reach it as front._grading and the like."""
+    global _env, _grading, _integrity, _picture, _sandbox, DRILLS, find_drill, SANDBOX, SHORT_TIMEOUT, TIMEOUT
+    global live_pids
+    import _env, _grading, _integrity, _picture, _sandbox  # noqa: E401
+    from _manifest import DRILLS, drill as find_drill
+    from _worker import SANDBOX, SHORT_TIMEOUT, TIMEOUT, live_pids
+    return globals()
+
+
+def __getattr__(name):  # front._grading, front.SANDBOX (the tests): the machinery, loaded on first use
+    if name.startswith("__") or name not in load_machinery():
+        raise AttributeError(name)
+    return globals()[name]
 
 
 def command(argv):
@@ -57,38 +68,24 @@ def command(argv):
         parser.add_argument("drill", nargs="*" if argv[0] == "bench" else None)
     parser.add_argument("--tree", default=default_tree())
     parser.add_argument("--case", help="(show) draw this saved failing case instead of running the page's example")
-    parser.add_argument("--other", help="(diff) the tree whose file goes on the left, instead of the reference")
     args = parser.parse_args(argv[1:])
     console = make_console()
     if argv[0] == "doctor":
         return _commands.doctor(console)
     try:
-        drills = [find_drill(d) for d in (args.drill if argv[0] == "bench" else [args.drill])]
-        drill = drills[0] if drills else None
-        for tree in [args.tree] * (argv[0] in ("show", "diff", "watch")) + [args.other] * bool(args.other):
-            tree_path(tree)
+        named = [_catalog.drill(d) for d in (args.drill if argv[0] == "bench" else [args.drill])]
+        tree_path(args.tree)
     except (KeyError, FileNotFoundError) as error:
-        return usage_error(console, error)
+        return _commands.usage_error(console, error)
+    load_machinery()  # bench too: its traffic lines need the drills' entries
+    drill, *_ = drills = [find_drill(d.id) for d in named] or list(DRILLS)
     if argv[0] == "bench":  # the reference's bandwidth report; without a GPU, at once, its traffic lines
-        import _env  # torch's seconds: only where no device file already says there is no GPU
         if _commands.surely_no_gpu() or _env.INTERPRET:
-            return _commands.bench_without_gpu(drills or list(DRILLS), console)
+            return _commands.bench_without_gpu(drills, console)
         return main(["--tree", "solutions", *args.drill])
     if argv[0] == "show":
         return _picture.show(drill, tree_path(args.tree), console, args.case)
-    if argv[0] == "hint":
-        return _commands.hint(drill, console)
-    if argv[0] == "reset":
-        return _commands.reset(drill, console)
-    if argv[0] == "diff":
-        return _commands.diff(drill, args.tree, console, args.other)
     return _commands.watch(drill, args.tree, lambda: main([drill.id, "--tree", args.tree, "--no-bench"]), console)
-
-
-def usage_error(console, error):
-    """A drill or tree that does not exist: said in red (as text: it holds what was typed), exit status 2."""
-    console.print(str(error.args[0] if isinstance(error, KeyError) else error), style="red", markup=False)
-    return 2
 
 
 def grade_one(drill, tree, args, workdir, spinner, console):
@@ -145,6 +142,8 @@ def time_drill(grade, bench, ceiling, timeout, spinner):
 
 def main(argv=None):
     argv = sys.argv[1:] if argv is None else argv
+    if argv and argv[0] in _commands.LIGHT:  # files only: never torch
+        return _commands.light(argv, make_console())
     if argv and argv[0] in COMMANDS:
         return command(argv)
     parser = argparse.ArgumentParser(description="Grade the drills of one tree.",
@@ -161,9 +160,11 @@ def main(argv=None):
     console = make_console()
     try:
         tree = tree_path(args.tree)
-        drills = [find_drill(d) for d in args.drills] or list(DRILLS)
+        named = [_catalog.drill(d) for d in args.drills]
     except (FileNotFoundError, KeyError) as error:
-        return usage_error(console, error)
+        return _commands.usage_error(console, error)
+    load_machinery()
+    drills = [find_drill(d.id) for d in named] or list(DRILLS)
     stop_children_on_signals(lambda text: console.print(f"\n[bold red]{text}[/]"))
     before = _integrity.snapshot()
     ok, says = _integrity.integrity()
@@ -209,6 +210,7 @@ def main(argv=None):
     # Nothing the learner's code started may outlive the grade and touch what it writes.
     grade["leftover_processes_killed"] += kill_leftovers(keep=live_pids())
     check_integrity(grade, before)
+    _commands.record_grades(tree, grade["drills"])  # `make walkthrough` asks until a drill of mine/ passes
     printer.footer()
     if args.json:
         Path(args.json).write_text(json.dumps(for_json(grade), indent=2) + "\n")

@@ -24,9 +24,54 @@ from rich.table import Table
 from rich.text import Text
 
 import _pages
-from _tree import ROOT, tree_path
+from _tree import ROOT, default_tree, tree_path
 
 STATE = ROOT / ".drills"  # ignored by git: hint progress, the last grade of each drill, backups
+
+
+# --- the light commands: files only, so they answer at once ---------------------
+
+LIGHT = ("hint", "walkthrough", "page", "reset", "diff")
+
+
+def light(argv, console):
+    """`grader.py hint|walkthrough|page|reset|diff l1 [...]`. They read and write files only:
+    the drill is found by tests/_catalog.py, and nothing here imports torch (grader.py's
+    machinery costs 6-15 s on a busy machine), so a hint, an error or --help comes at once."""
+    import argparse
+
+    import _catalog
+    parser = argparse.ArgumentParser(prog=f"grader.py {argv[0]}")
+    parser.add_argument("drill", help="a drill id, e.g. l1")
+    parser.add_argument("--tree", default=default_tree(), help="mine (default), solutions, or a folder")
+    if argv[0] == "diff":
+        parser.add_argument("--other", help="the tree whose file goes on the left, instead of the reference")
+    if argv[0] == "walkthrough":
+        parser.add_argument("--yes", action="store_true", help="show it without asking, passed or not")
+    if argv[0] == "page":
+        parser.add_argument("--answers", action="store_true", help="show the self-tests' answers")
+    args = parser.parse_args(argv[1:])
+    try:
+        drill = _catalog.drill(args.drill)
+        for tree in (args.tree, args.other) if argv[0] == "diff" else ():
+            if tree:
+                tree_path(tree)
+    except (KeyError, FileNotFoundError) as error:
+        return usage_error(console, error)
+    if argv[0] == "diff":
+        return diff(drill, args.tree, console, args.other)
+    if argv[0] == "walkthrough":
+        return walkthrough(drill, console, yes=args.yes)
+    if argv[0] == "page":
+        return page(drill, console, answers=args.answers)
+    return hint(drill, console) if argv[0] == "hint" else reset(drill, console)
+
+
+def usage_error(console, error):
+    """A drill or tree that does not exist: said in red (as text: it holds what was typed), exit status 2."""
+    console.print(str(error.args[0] if isinstance(error, KeyError) else error), style="red", markup=False,
+                  soft_wrap=True)  # a path stays whole at any width
+    return 2
 
 
 # --- hints, the walkthrough and the page ---------------------------------------
@@ -51,14 +96,14 @@ def hint(drill, console):
     return 0
 
 
-def record_grade(tree, summary):
-    """Remember whether a drill of mine/ passed its last grade (.drills/grades.json), so that
+def record_grades(tree, summaries):
+    """Remember each drill's status at its last grade of mine/ (.drills/grades.json), so that
     `walkthrough` shows the reference without asking once the learner has passed."""
     if tree != tree_path("mine"):
         return
     state_file = STATE / "grades.json"
     grades = json.loads(state_file.read_text()) if state_file.exists() else {}
-    grades[summary["id"]] = summary["status"]
+    grades.update({s["id"]: s["status"] for s in summaries})
     STATE.mkdir(exist_ok=True)
     state_file.write_text(json.dumps(grades))
 
@@ -82,7 +127,7 @@ def walkthrough(drill, console, yes=False):
                                f"(or python grader.py walkthrough {drill.id} --yes)."))
             return 0
         console.print(Text(warning))
-        if console.input("Show it anyway? [y/N] ").strip().lower() not in ("y", "yes"):
+        if console.input(Text("Show it anyway? [y/N] ")).strip().lower() not in ("y", "yes"):
             console.print("Not shown.")
             return 0
     console.print(Markdown(source.read_text()))
@@ -97,7 +142,7 @@ def page(drill, console, answers=False):
     console.print(Markdown(_pages.for_terminal(text, answers, hidden)))
     if answers or not (console.is_terminal and sys.stdin.isatty()):
         return 0
-    if console.input("\nPress Enter to show the self-tests' answers, or q and Enter to stop: ").strip().lower() == "q":
+    if console.input(Text("\nPress Enter to show the self-tests' answers, or q and Enter to stop: ")).strip() == "q":
         return 0
     tests = [body for _, title, body in _pages.numbered_sections(_pages.for_terminal(text, True, hidden))
              if "自测" in title]
