@@ -72,8 +72,9 @@ def report(drill_id, traffic, parts, where=()):
     worst = max(loads, stores)
     if min(loads, stores) < 0.95:
         tier = "not all counted"
-        where = [*where, "fewer bytes than the op needs went through Triton kernels: part of the work ran "
-                         "elsewhere (a PyTorch op is not counted)"]
+        where = [*where, "fewer bytes than this count expects went through Triton kernels: part of the work may "
+                         "have run elsewhere (a PyTorch op is not counted), or the kernel skips a step the count "
+                         "expects"]
     else:
         tier = "at the roofline" if worst <= ROOFLINE else "fair" if worst <= FAIR else "wasteful"
     if traffic.outside.loaded or traffic.outside.stored:

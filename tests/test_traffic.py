@@ -241,6 +241,22 @@ def test_l2_loading_the_whole_table_row_is_right_but_fails_its_test(tmp_path):
     assert caught.value.pitfalls == ["reads_past_seq_len"]
 
 
+def test_l7_without_split_partials_is_right_and_not_told_its_work_ran_elsewhere(tmp_path):
+    """An L7 kernel that never splits (one pass per sequence, straight into out and lse) is
+    right and reads no partial back: its fewest bytes are one split's, so its line is at the
+    roofline, not "not all counted ... ran elsewhere" (all its work ran in Triton; issue 48)."""
+    from drills.l7 import check_decode
+    from drills.l7.traffic import traffic_case
+    l7 = find_drill("l7")
+    module = _planted(l7, (("num_splits = default_num_splits(num_seqs, num_heads, device) if num_splits is None "
+                            "else num_splits", "num_splits = 1  # planted: never split"),), tmp_path)
+    case = traffic_case()
+    check_decode(case, module.mla_decode_attention(*case.args(), **case.kwargs()))
+    result = l7.traffic(module)
+    assert result["tier"] == "at the roofline" and not any("elsewhere" in w for w in result["where"]), \
+        f"a right kernel that does not split was told: {result['line']} {result['where']}"
+
+
 # --- the grade's line --------------------------------------------------------------
 
 

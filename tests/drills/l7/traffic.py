@@ -89,7 +89,8 @@ def traffic_parts(p):
     latent = p["num_seqs"] * p["context"] * width * size
     q = p["num_seqs"] * p["num_heads"] * width * size
     out = p["num_seqs"] * p["num_heads"] * p["rank"] * size
-    partials = p["num_seqs"] * p["num_heads"] * p["num_splits"] * (p["rank"] + 1) * 4
+    # One split stores straight into out and lse: no partials (the reference's DIRECT path).
+    partials = p["num_seqs"] * p["num_heads"] * p["num_splits"] * (p["rank"] + 1) * 4 if p["num_splits"] > 1 else 0
     lse = p["num_seqs"] * p["num_heads"] * 4
     parts = [Part("latent cache", (LATENT,), fewest_loaded=latent), Part("q", (0, 1), fewest_loaded=q),
              Part("block table", (3,), fewest_loaded=4 * p["num_seqs"] * -(-p["context"] // p["block_size"])),
@@ -108,7 +109,10 @@ def traffic(module):
     _, counted = measure(module, "mla_decode_attention", *case.args(), **case.kwargs(), out=out)
     if counted is None:
         return None
-    result = report(PLANTED.id, counted, traffic_parts(TRAFFIC_CASE))
+    # A kernel that reads no partial back did not split the work (one pass per sequence, straight
+    # into out and lse, as num_splits = 1 does): the fewest bytes are those of one split.
+    p = TRAFFIC_CASE if counted.scratch.loaded else dict(TRAFFIC_CASE, num_splits=1)
+    result = report(PLANTED.id, counted, traffic_parts(p))
     where = []
     c_reads, pe_reads = latent_reads(case, counted)
     if bool((c_reads == 2 * pe_reads).all()) and bool((pe_reads >= 1).all()):
@@ -117,7 +121,7 @@ def traffic(module):
     elif int(c_reads.max()) > 1 or int(pe_reads.max()) > 1:
         where.append(f"latent rows were read up to {max(int(c_reads.max()), int(pe_reads.max()))}×: one head tile "
                      f"holds all {case.q_nope.shape[1]} heads, so each row is needed once per (sequence, split)")
-    if result["parts"]["partials, lse"] > 1.05:
+    if result["parts"].get("partials, lse", 0) > 1.05:
         where.append(f"the partial outputs moved {result['parts']['partials, lse']:.2f}× what num_splits of them "
                      f"need (each split writes its part once, the merge reads it once)")
     result["where"] = where + result["where"]
