@@ -11,9 +11,11 @@ import os
 import re
 import shlex
 import sys
+import unicodedata
 
 from rich.console import Console
 from rich.panel import Panel
+from rich.style import Style
 from rich.table import Table
 from rich.text import Text
 
@@ -28,15 +30,23 @@ def make_console():
 
 # C0 but newline and tab, DEL, C1: what moves the cursor, clears or retitles the screen,
 # rings the bell, or starts an escape sequence (ESC; 0x9b, CSI on its own). A whole escape
-# sequence (CSI, OSC, or ESC and one byte) goes first, so no "[2J" is left behind.
+# sequence (CSI, OSC, or ESC and one byte) goes first, so no "[2J" is left behind. Then
+# the line and paragraph separators U+2028/U+2029 (a line break to some terminals and
+# viewers, none to others).
 _CONTROL = re.compile("(?:\x1b\\[|\x9b)[0-?]*[ -/]*[@-~]|(?:\x1b\\]|\x9d)[^\x07\x1b\n]*(?:\x07|\x1b\\\\)?|"
-                      "\x1b[@-_]|[\x00-\x08\x0b-\x1f\x7f-\x9f]")
+                      "\x1b[@-_]|[\x00-\x08\x0b-\x1f\x7f-\x9f\u2028\u2029]")
 
 
 def clean_text(text):
-    """`text` without escape sequences and control characters but newline and tab
-    (anything not a string is returned as it is)."""
-    return _CONTROL.sub("", text) if isinstance(text, str) else text
+    """`text` without escape sequences and control characters but newline and tab, and
+    without Unicode format characters (category Cf: bidi overrides and isolates, which
+    reorder what a reader sees ("Trojan Source"), zero-width spaces and joiners, the BOM):
+    anything not a string is returned as it is. An ASCII string has no Cf character, so
+    only other strings are read character by character."""
+    if not isinstance(text, str):
+        return text
+    text = _CONTROL.sub("", text)
+    return text if text.isascii() else "".join(c for c in text if unicodedata.category(c) != "Cf")
 
 
 def cleaned(value):
@@ -49,16 +59,25 @@ def cleaned(value):
     return clean_text(value)
 
 
-_SGR = re.compile("(\x1b\\[[0-9;]*m)")  # a colour or weight, the only escape our pictures use
-
-
-def picture_text(ansi):
-    """A picture drawn by a drill's picture.py with rich's colours, as a Text that keeps
-    the colours and nothing else. Its numbers, and anything printed while it ran, come
-    from the learner's code: everything between two colour codes is cleaned (no ESC
-    survives there), and Text.from_ansi turns the colour codes into styles."""
-    parts = _SGR.split(ansi or "")
-    return Text.from_ansi("".join(part if i % 2 else clean_text(part) for i, part in enumerate(parts)))
+def picture_text(picture):
+    """A drill's picture as a Text to print. tests/_picture.py draws it in a process of its
+    own and hands it back as data: {"title": ..., "segments": [[text, style], ...]}, the
+    styles our drawing's own, the text cleaned here (its numbers and words may come from
+    the learner's code). Colour comes from those styles and from nothing else: a string
+    (a picture from anywhere else) is plain text, its escape codes removed, never read as
+    colours, so no learner's escape can paint a row."""
+    if not isinstance(picture, dict):
+        return Text(clean_text(str(picture or "")))
+    text = Text(clean_text(str(picture.get("title") or "")))
+    for segment in picture.get("segments") or ():
+        if not (isinstance(segment, (list, tuple)) and len(segment) == 2 and all(isinstance(x, str) for x in segment)):
+            continue
+        try:
+            style = Style.parse(segment[1]) if segment[1] else None
+        except Exception:  # not a style rich knows: the text, plain
+            style = None
+        text.append(clean_text(segment[0]), style=style)
+    return text
 
 
 def for_json(grade):
@@ -197,7 +216,9 @@ TIER_STYLE = {"at the roofline": "green", "fair": "yellow", "wasteful": "bold re
 def _traffic_intro(console):
     console.print("\n[bold]traffic[/] · bytes each drill's traffic case moved in Triton's CPU interpreter, "
                   "against the fewest the op needs (the bytes the GPU bandwidth report counts). The total weighs "
-                  "each tensor by its bytes; the reference's line, the one its page prints, is beside yours")
+                  "each tensor by its bytes; the reference's line, the one its page prints, is beside yours. "
+                  "Counted in the worker, beside your code: its word, so advice, which decides no test (a pitfall "
+                  "named here, such as a row read that should not be, fails nothing while the values are right)")
 
 
 def _traffic_line(console, s):

@@ -88,6 +88,8 @@ def picture(module, console):
     from rich.text import Text
 
     import _env
+    from _diagnose import error_name, said_error
+    from _picture import plain, said
 
     ex = WORKED_EXAMPLE
     device = _env.DEVICE
@@ -102,9 +104,10 @@ def picture(module, console):
         try:
             got = [t.tolist() for t in call()]
         except Exception as error:  # the picture draws whatever the learner's code does
-            got = [type(error).__name__] * len(names)
+            got = [plain(error_name(error))] * len(names)  # their error's name: their text, plain
         for name, w, g in zip(names, want, got):
-            rows.add_row(name, str(w), Text(str(g), style="green" if g == w else "bold red"))
+            rows.add_row(name, str(w), g if isinstance(g, Text) else Text(str(g), style="green" if g == w else
+                                                                          "bold red"))
 
     show(("kv_indptr", "kv_indices", "kv_last_page_len"),
          (ex["kv_indptr"], ex["kv_indices"], ex["kv_last_page_len"]),
@@ -118,5 +121,5 @@ def picture(module, console):
     try:
         module.append_paged_kv_cache(*case.args())
     except Exception as error:
-        console.print(f"[red]append_paged_kv_cache raised {type(error).__name__}: {error}[/]")
+        console.print(said("append_paged_kv_cache raised ", said_error(error)))
     draw_case(case, console)

@@ -5,7 +5,9 @@ from rich.columns import Columns
 from rich.table import Table
 from rich.text import Text
 
+from _diagnose import error_name, said_error
 from _paged import bits, same_bits
+from _picture import plain, said
 
 from .cases import WORKED_EXAMPLE, kv_write_case
 
@@ -88,7 +90,7 @@ def picture(module, console):
         slots = module.slot_mapping(case.block_table, case.seq_idx[real], case.positions[real], case.block_size)
         yours = [str(s) for s in slots.tolist()]
     except Exception as error:  # the picture must draw whatever the learner's code does
-        yours = [type(error).__name__] * int(real.sum())
+        yours = [plain(error_name(error))] * int(real.sum())  # their error's name: their text, plain
     slot_table = Table(title="slot_mapping", header_style="bold", box=None, padding=(0, 1))
     for column in ("token", "seq", "position", "expected slot", "yours"):
         slot_table.add_column(column, justify="right")
@@ -98,12 +100,13 @@ def picture(module, console):
             slot_table.add_row(f"t{t}", "pad", "-", "-1", Text("(padding)", style="dim"))
             continue
         want, got = str(int(case.slot_mapping[t])), next(mine)
+        cell = got if isinstance(got, Text) else Text(got, style="green" if got == want else "bold red")
         slot_table.add_row(Text(f"t{t}", style=SEQ_STYLE[int(case.seq_idx[t])]), str(int(case.seq_idx[t])),
-                           str(int(case.positions[t])), want, Text(got, style="green" if got == want else "bold red"))
+                           str(int(case.positions[t])), want, cell)
     console.print(slot_table)
 
     try:
         module.reshape_and_cache(*case.args())
     except Exception as error:
-        console.print(f"[red]reshape_and_cache raised {type(error).__name__}: {error}[/]")
+        console.print(said("reshape_and_cache raised ", said_error(error)))
     draw_case(case, console)

@@ -2,13 +2,13 @@
 sequence owns, for the learner's kernel (`picture`) or a failing case the tests saved
 (`draw_case`)."""
 import torch
-from rich.markup import escape
 from rich.table import Table
 from rich.text import Text
 
 import _env
 from _diagnose import said_error
 from _paged import never_written, owned_columns, poisoned_out
+from _picture import said
 
 from .cases import small_case
 from .checks import _close
@@ -55,5 +55,5 @@ def picture(module, console):
     try:
         module.paged_decode_attention(*case.args(), **case.kwargs(), out=out.view)
     except Exception as error:  # the picture must draw whatever the learner's code does
-        console.print(f"[red]paged_decode_attention raised {escape(said_error(error))}[/]")
+        console.print(said("paged_decode_attention raised ", said_error(error)))
     draw_case((case, out.view), console)

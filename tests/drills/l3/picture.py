@@ -6,12 +6,12 @@ kernel on that batch; `draw_case` draws a (case, output) pair that already ran."
 import math
 
 import torch
-from rich.markup import escape
 from rich.text import Text
 
 import _env
 from _diagnose import said_error
 from _paged import never_written, owned_columns
+from _picture import said
 
 from .cases import paged_prefill_case
 from .reference import TOLERANCE
@@ -140,8 +140,8 @@ def picture(module, console):
     try:
         module.paged_prefill_attention(*case.args(), **case.kwargs())
     except NotImplementedError as error:
-        console.print(f"[yellow]{error}; the grid shows the mask it should apply, every output still "
-                      f"unwritten[/]")
+        console.print(said("", said_error(error), "yellow"),
+                      Text("the grid shows the mask it should apply, every output still unwritten", style="yellow"))
     except Exception as error:  # the picture must draw whatever the learner's code does
-        console.print(f"[red]paged_prefill_attention raised {escape(said_error(error))}[/]")
+        console.print(said("paged_prefill_attention raised ", said_error(error)))
     draw_case((case, case.out.view), console)

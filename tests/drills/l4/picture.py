@@ -3,13 +3,13 @@ empty ones), each (sequence, query head) output right or wrong, and the learner'
 merge_attention_states folding the chunks one by one, its first wrong merge marked.
 `picture` runs the learner's code; `draw_case` draws a (case, output) pair that ran."""
 import torch
-from rich.markup import escape
 from rich.table import Table
 from rich.text import Text
 
 import _env
 from _diagnose import said_error
 from _paged import owned_columns
+from _picture import said
 
 from .cases import split_case, spread_chunks
 from .checks import _ALIGNS, _close
@@ -109,10 +109,10 @@ def _draw_merges(folds, merge, console):
                 shown = _status(got_v, ok)
                 your_s = f"{float(got_s[0, 0]):.4g}"
             except NotImplementedError as error:
-                console.print(f"[yellow]{error}[/]")
+                console.print(said("", said_error(error), "yellow"))
                 return
             except Exception as error:  # the picture must draw whatever the learner's code does
-                console.print(f"[red]merge_attention_states raised {escape(said_error(error))}[/]")
+                console.print(said("merge_attention_states raised ", said_error(error)))
                 return
             if not ok and first_wrong is None:
                 first_wrong = (b, i)
@@ -134,7 +134,8 @@ def picture(module, console):
     try:
         module.paged_decode_attention_split(*case.args(), **case.kwargs(), out=out)
     except NotImplementedError as error:
-        console.print(f"[yellow]{error}; the table shows the chunks it should cut, every output still unwritten[/]")
+        console.print(said("", said_error(error), "yellow"),
+                      Text("the table shows the chunks it should cut, every output still unwritten", style="yellow"))
     except Exception as error:  # the picture must draw whatever the learner's code does
-        console.print(f"[red]paged_decode_attention_split raised {escape(said_error(error))}[/]")
+        console.print(said("paged_decode_attention_split raised ", said_error(error)))
     draw_case((case, out), console, merge=module.merge_attention_states)

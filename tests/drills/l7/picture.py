@@ -3,12 +3,12 @@ and the value, then the worked example through the learner's write (each slot's 
 expected beside yours) and decode (each head's scores, weights, out and lse). `picture`
 runs the learner's code; `draw_case` draws a failing decode case the tests saved."""
 import torch
-from rich.markup import escape
 from rich.table import Table
 from rich.text import Text
 
 import _env
 from _diagnose import said_error
+from _picture import said
 
 from .cases import WORKED_EXAMPLE, worked_example_decode_case, worked_example_numbers
 from .reference import LSE_TOLERANCE, TOLERANCE
@@ -48,7 +48,7 @@ def _draw_write(module, console):
                                     torch.tensor(ex["slots"], device=_env.DEVICE))
         yours = yours.cpu()
     except Exception as error:  # the picture must draw whatever the learner's code does
-        console.print(f"[yellow]concat_and_cache_mla: {escape(said_error(error))}[/]")
+        console.print(said("concat_and_cache_mla: ", said_error(error), "yellow"))
         yours = cache
     table = Table(title="concat_and_cache_mla: each slot's row (c | k_pe)", header_style="bold", box=None,
                   padding=(0, 1))
@@ -78,7 +78,7 @@ def _draw_decode(module, console):
         out, lse = module.mla_decode_attention(*case.args(), num_splits=1)
         out, lse = out.cpu().double(), lse.cpu().double()
     except Exception as error:  # the picture must draw whatever the learner's code does
-        console.print(f"[yellow]mla_decode_attention: {escape(said_error(error))}[/]")
+        console.print(said("mla_decode_attention: ", said_error(error), "yellow"))
         out = lse = None
     table = Table(title=f"mla_decode_attention: scale = {ex['scale']}, one sequence of 3 tokens", header_style="bold",
                   box=None, padding=(0, 1))
