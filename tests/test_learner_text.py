@@ -72,3 +72,15 @@ def test_a_learners_escapes_markup_and_format_characters_paint_nothing(tmp_path)
     written = json.dumps(_render.for_json(dict(drills=[dict(id="l1", picture=picture)])))
     assert "\\u001b" not in written and "\\u009b" not in written
     assert not _bad(json.loads(written)["drills"][0]["picture"])
+
+
+def test_a_chat_reply_is_text():
+    """`make chat` prints the reply the learner's engine chose token by token: a byte-level
+    vocabulary spells escapes and bidi controls as readily as letters."""
+    from _chat import text_of
+
+    class Tokenizer:
+        def decode(self, ids, skip_special_tokens):
+            return "".join(map(chr, ids))
+    assert text_of(Tokenizer(), [ord(c) for c in PAINT]) == _render.clean_text(PAINT)
+    assert not _bad(text_of(Tokenizer(), [ord(c) for c in PAINT]))
