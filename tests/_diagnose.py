@@ -135,7 +135,8 @@ def describe_mistakes(drill, names):
 def known_mistakes(drill, outcome, got):
     """(found, undecided): the pitfalls whose planted variant, run on the same input,
     produces exactly `got`, and those whose variant races on it (on a GPU: its runs
-    differ, or it is known to race, `Pitfall.races`), whose mismatch is no evidence.
+    differ, or it is known to race, `Pitfall.races`) or that ran out of time (a busy
+    machine: the variants' own limit, tests/_wrong.py's LIMIT), whose mismatch is no evidence.
     `outcome(module)` runs a module on that input and returns a tuple of tensors,
     compared bit for bit. A variant that cannot run on it is no evidence."""
     found, undecided = [], []
@@ -147,6 +148,9 @@ def known_mistakes(drill, outcome, got):
             # The interpreter runs programs one after another; on a GPU a race can agree with
             # itself by chance, so it gets two more runs to show itself.
             again = [] if _env.INTERPRET else [outcome(_wrong.variant(drill, name)) for _ in range(2)]
+        except LearnerTimeout:  # ran out of time (a busy machine): it can neither confirm nor rule out
+            undecided.append(name)
+            continue
         except Exception:
             continue
         if any(_same_all(got, out) for out in (theirs, *again)):

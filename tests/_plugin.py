@@ -29,6 +29,7 @@ from hypothesis import HealthCheck, Phase, settings
 from _manifest import BY_STEM, DRILLS
 from _paged import release_big_memory
 from _tree import ROOT, default_tree, tree_path, worker_trees
+import _wrong
 from _diagnose import REFUSED, Mismatch, does_not_import
 from _process import become_subreaper
 from _worker import ISOLATE, WORKER, calls_made, end_strays, reset_all, stop_all, tree_module
@@ -174,7 +175,8 @@ def pytest_collection_finish(session):
 
 
 def pytest_runtest_setup(item):
-    reset_all(calls=True)  # each test gets its own time for the learner's code (and the planted variants')
+    reset_all(calls=True)  # each test gets its own time for the learner's code
+    _wrong.give_time()     # and the planted variants theirs: our code, whose runs take longer under load
     REFUSED.clear()
     _per_example_budget(item)
 
@@ -191,6 +193,7 @@ def _per_example_budget(item):
     @functools.wraps(inner)
     def each_example(*args, **kwargs):
         reset_all()
+        _wrong.give_time()
         return inner(*args, **kwargs)
     each_example._drills_budget = True
     hypothesis_test.inner_test = each_example  # hypothesis's documented hook for wrapping a test

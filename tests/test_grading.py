@@ -193,6 +193,33 @@ def test_a_crash_names_its_pitfall_only_when_every_failure_agrees():
     assert _grading._evidence(l2, [unmarked, crash]) == []
 
 
+def test_a_busy_machine_costs_the_diagnosis_time_not_a_name(monkeypatch):
+    """The diagnosis runs planted variants (our code) on a learner's failing input; on a busy
+    machine they run longer. Each test gives them their own time (tests/_wrong.py's LIMIT),
+    not the learner's limit, and a variant that still runs out of it is undecided: never
+    evidence either way, so a name is neither made nor withdrawn by the load (issue 48)."""
+    import torch
+
+    import _env
+    import _plugin
+    from _diagnose import known_mistakes
+    from _worker import TIMEOUT, WORKER, LearnerTimeout
+    _plugin.pytest_runtest_setup(None)
+    assert WORKER.budget == TIMEOUT and _wrong._VARIANTS.budget == _wrong.LIMIT >= 10 * TIMEOUT, \
+        f"the variants' time ({_wrong._VARIANTS.budget} s) should be theirs, not the learner's ({WORKER.budget} s)"
+    slow, right, *others = [p for p, pitfall in L1.pitfalls.items() if pitfall.applies(_env.INTERPRET)]
+    got = (torch.zeros(3),)
+
+    def outcome(name):
+        if name == slow:
+            raise LearnerTimeout("ran past its limit")
+        return got if name == right else (torch.ones(3),)
+    monkeypatch.setattr(_wrong, "variant", lambda drill, name: name)
+    found, undecided = known_mistakes(L1, outcome, got)
+    assert found == [right] and slow in undecided and right not in undecided, \
+        f"a variant that ran out of time must be undecided, not ruled out: found {found}, undecided {undecided}"
+
+
 def test_a_crash_in_a_marked_test_keeps_the_name_the_other_failures_support():
     """An L7 kernel with no head mask: five tests marked head_tile_unmasked name it, the sixth
     crashes (its stores past the end of lse abort the process). The crash says nothing
