@@ -64,7 +64,6 @@ def folder():
     global _FOLDER
     if _FOLDER is None:
         _FOLDER = Path(tempfile.mkdtemp(prefix="drills-wrong-"))
-        _FOLDER.chmod(0o755)  # TEMP l8 probe
         atexit.register(shutil.rmtree, _FOLDER, ignore_errors=True)
     return _FOLDER
 
