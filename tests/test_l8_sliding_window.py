@@ -112,37 +112,45 @@ def test_sink_extremes(drill, device, sink):
     run(drill, _decode(device, [20, 7, 50], 9, sinks=sink, num_splits=4, seed=10))
 
 
+# Sinks near the scores of a short window (4 or 8 keys): a sink counted wrong moves every output far.
+_SINKS = [2.5, 3.0, 2.0, 3.5, 1.5, 2.0, 3.0, 2.5]
+
+
 @pytest.mark.pitfall("sink_scaled")
 @pytest.mark.pitfall("sink_base_e")
 def test_sink_is_a_natural_log_logit_not_scaled(drill, device):
     """pitfall:sink_scaled, pitfall:sink_base_e: scale 0.3 and sinks near the scores: a sink
     multiplied by the scale, or taken in base 2, weighs visibly less."""
-    run(drill, _prefill(device, [5, 1], [14, 9], 7, scale=0.3, seed=11))
-    run(drill, _decode(device, [14, 26], 7, scale=0.3, num_splits=2, seed=12))
+    run(drill, _prefill(device, [5, 1], [14, 9], 3, scale=0.3, sinks=_SINKS, seed=11))
+    run(drill, _decode(device, [14, 26], 3, scale=0.3, sinks=_SINKS, num_splits=2, seed=12))
 
 
 @pytest.mark.pitfall("sink_per_kv_head")
 @pytest.mark.parametrize("num_heads,num_kv_heads", [(6, 2), (8, 1)], ids=["group3", "group8"])
 def test_sink_belongs_to_the_query_head(drill, device, num_heads, num_kv_heads):
-    """pitfall:sink_per_kv_head: each query head has its own sink, sinks[h], all different here."""
-    run(drill, _prefill(device, [5, 1], [10, 19], 8, num_heads=num_heads, num_kv_heads=num_kv_heads, seed=13))
-    run(drill, _decode(device, [10, 19], 8, num_heads=num_heads, num_kv_heads=num_kv_heads, num_splits=2, seed=14))
+    """pitfall:sink_per_kv_head: each query head has its own sink, sinks[h], far apart here."""
+    sinks = [3.0, -3.0, -2.0, 3.0, 1.0, 2.5, -1.0, -2.5][:num_heads]
+    run(drill, _prefill(device, [5, 1], [10, 19], 3, num_heads=num_heads, num_kv_heads=num_kv_heads, sinks=sinks,
+                        seed=13))
+    run(drill, _decode(device, [10, 19], 3, num_heads=num_heads, num_kv_heads=num_kv_heads, sinks=sinks,
+                       num_splits=2, seed=14))
 
 
 @pytest.mark.pitfall("sink_every_split")
 @pytest.mark.parametrize("num_splits", [1, 2, 5])
 def test_sink_counted_once_whatever_num_splits(drill, device, num_splits):
     """pitfall:sink_every_split: the merge of the splits must count the sink once."""
-    run(drill, _decode(device, [40, 70, 9], 40, num_splits=num_splits, sinks=[1.5, 0.5, 2.0, 1.0] * 2, seed=15))
+    run(drill, _decode(device, [40, 70, 9], 7, num_splits=num_splits, sinks=_SINKS, seed=15))
 
 
 @pytest.mark.pitfall("split_outside_window_nan")
-@pytest.mark.parametrize("num_splits", [4, 6])
+@pytest.mark.parametrize("num_splits", [2, 3])
 def test_split_with_no_key_of_the_window_is_empty_not_nan(drill, device, num_splits):
-    """pitfall:split_outside_window_nan: a window of 2 keys over long contexts, cut into
-    several splits: most hold no key of the window, and must add nothing, never NaN."""
-    run(drill, _decode(device, [60, 33, 5], 1, num_splits=num_splits, seed=16))
-    run(drill, _decode(device, [60, 33, 5], 1, sinks=None, num_splits=num_splits, seed=17))
+    """pitfall:split_outside_window_nan: splits cut the window; sequence 1's window is its 4
+    keys, so all but its first split hold no key and must add nothing, never NaN. Sequence
+    0's window (101 keys) fills every split."""
+    run(drill, _decode(device, [150, 3], 100, num_splits=num_splits, seed=16))
+    run(drill, _decode(device, [150, 3], 100, sinks=None, num_splits=num_splits, seed=17))
 
 
 # --- GQA, head sizes ------------------------------------------------------------------------
@@ -167,18 +175,19 @@ def test_head_sizes(drill, device, head_size):
 @pytest.mark.pitfall("tiles_outside_window_loaded")
 def test_tiles_before_the_window_are_skipped(drill, device):
     """pitfall:tiles_outside_window_loaded: the blocks wholly before the window are dead and
-    hold NaN. Sequence 1's window starts on a tile edge (position 48), so no tile of it is
-    partial: only a kernel that loads tiles before the window meets the NaN there."""
-    run(drill, _decode(device, [50, 57, 20], 8, num_splits=2, dead="nan", seed=22))
+    hold NaN. Sequence 1's window starts at 64, a tile edge, so its first live tile is
+    whole: only a kernel that loads tiles before the window meets the NaN there. Sequence 3
+    has no dead block."""
+    run(drill, _decode(device, [50, 72, 20, 3], 8, num_splits=2, dead="nan", seed=22))
 
 
 @pytest.mark.pitfall("dead_entries_as_block_numbers")
 def test_first_live_tile_reads_no_dead_entry(drill, device):
-    """pitfall:dead_entries_as_block_numbers: sequence 0's first query sees keys from 31 on;
-    its first live tile starts at 16, and blocks 4-6 (keys 16-27) are dead and hold NaN.
-    The later query blocks' first tiles hold no dead key: only the first block of queries
-    meets them through a partial tile."""
-    run(drill, _prefill(device, [20, 1], [40, 30], 9, num_heads=8, num_kv_heads=2, dead="nan", seed=23))
+    """pitfall:dead_entries_as_block_numbers: sequence 0's first query sees keys from 31 on,
+    and blocks 0-6 (keys 0-27) are dead and hold NaN. Only its first block of queries has
+    a first live tile that reaches back into them; its later query blocks' do not, and
+    sequence 1 has no dead block."""
+    run(drill, _prefill(device, [40, 1], [40, 5], 9, num_heads=8, num_kv_heads=2, dead="nan", seed=23))
 
 
 @pytest.mark.pitfall("dead_entries_as_block_numbers")
