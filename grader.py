@@ -38,19 +38,19 @@ from _tree import default_tree, tree_path  # noqa: E402
 COMMANDS = ("show", "doctor", "watch", "bench", "chat", "grade")  # and _commands.LIGHT
 
 
-def load_machinery():
-    """Import what grading, show, watch and bench need (torch behind it) into this module, _env
-    first (it decides CPU interpreter vs GPU); the tests reach it as front._grading and the like."""
-    global _env, _grading, _integrity, _picture, _sandbox, DRILLS, find_drill, SANDBOX, SHORT_TIMEOUT, TIMEOUT
-    global live_pids
+def load_machinery(named=()):
+    """Import grading's machinery (torch behind it) here, _env first; the manifest's entries of `named`."""
+    global _env, _grading, _integrity, _picture, _sandbox, DRILLS, SANDBOX, SHORT_TIMEOUT, TIMEOUT, live_pids
     import _env, _grading, _integrity, _picture, _sandbox  # noqa: E401
-    from _manifest import DRILLS, drill as find_drill
+    from _manifest import DRILLS, drill
     from _worker import SANDBOX, SHORT_TIMEOUT, TIMEOUT, live_pids
-    return globals()
+    return [drill(d.id) for d in named]
 
 
 def __getattr__(name):  # front._grading, front.SANDBOX (the tests): the machinery, loaded on first use
-    if name.startswith("__") or name not in load_machinery():
+    if not name.startswith("__"):
+        load_machinery()
+    if name not in globals():
         raise AttributeError(name)
     return globals()[name]
 
@@ -77,8 +77,7 @@ def command(argv):
         tree_path(args.tree)
     except (KeyError, FileNotFoundError) as error:
         return _commands.usage_error(console, error)
-    load_machinery()  # bench too: its traffic lines need the drills' entries
-    drill, *_ = drills = [find_drill(d.id) for d in named] or list(DRILLS)
+    drill, *_ = drills = load_machinery(named) or list(DRILLS)  # bench too: its traffic lines need them
     if argv[0] == "bench":  # the reference's bandwidth report; without a GPU, at once, its traffic lines
         if _commands.surely_no_gpu() or _env.INTERPRET:
             return _commands.bench_without_gpu(drills, console)
@@ -163,8 +162,7 @@ def main(argv=None):
         named = [_catalog.drill(d) for d in args.drills]
     except (FileNotFoundError, KeyError) as error:
         return _commands.usage_error(console, error)
-    load_machinery()
-    drills = [find_drill(d.id) for d in named] or list(DRILLS)
+    drills = load_machinery(named) or list(DRILLS)
     stop_children_on_signals(lambda text: console.print(f"\n[bold red]{text}[/]"))
     before = _integrity.snapshot()
     ok, says = _integrity.integrity()

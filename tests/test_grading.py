@@ -267,8 +267,10 @@ def _failing(drill, **first):
 def _graded_in_process(monkeypatch, tmp_path, console, summaries, argv, picture=None, traffic=None, on_grade=None):
     """grader.main run in this process on made-up summaries (no test process, no
     subprocess): what it prints, its exit status and its --json."""
+    import _commands
     import _traffic
     front = load_front()
+    monkeypatch.setattr(_commands, "STATE", tmp_path / ".drills")  # made-up grades: not this checkout's record
     monkeypatch.setattr(front, "make_console", lambda: console)
     monkeypatch.setattr(front, "stop_children_on_signals", lambda say: None)
 
