@@ -44,6 +44,9 @@ class Pitfall:
     races: bool = False
     interpreter_only: bool = False  # on a GPU the mistake changes nothing (the hardware does what the edit
                                     # removes): planted and graded only under the interpreter
+    counts_only: bool = False  # right values, more bytes: only the load counts show it, and they are the
+                               # worker's word, which decides no test; so it fails no test, and the traffic
+                               # report names it as advice (tests/test_wrong.py checks both)
 
     def applies(self, interpret):
         return interpret or not self.interpreter_only

@@ -7,11 +7,13 @@ import json
 import os
 import re
 import sys
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
 import _env
 from _counting import bytes_of, measure_here
+from _diagnose import Mismatch
 from _process import run_process
 from _worker import TreeModule, flatten_tensors
 
@@ -20,6 +22,33 @@ def was_read(record, view):
     """Whether any byte of `view` (a view of the tensor `record` measured) was loaded."""
     where = bytes_of(view)
     return bool(len(where)) and bool((record.read[where] > 0).any())
+
+
+# The counts are made in the worker, beside the learner's code, which can rewrite them
+# (design.md, "The learner's code is untrusted"): they explain a failure and fill the
+# traffic report, and decide no test. Every sentence built on them says so.
+COUNTS_WORD = "counted in the worker, beside your code: its word, which decides no test"
+
+
+@contextmanager
+def values_decide(counted, explain):
+    """Around the check of a measured call's values, which alone decide: a Mismatch raised
+    inside goes on, and only then does `explain(counted)` read the worker's counts, a list
+    of (sentence, pitfall or None), added to it with their status said. When the values
+    are right the counts are not even read: a kernel that reads what it should not but
+    answers right passes here, and the traffic report names what it read, as advice."""
+    try:
+        yield
+    except Mismatch as error:
+        try:
+            findings = explain(counted) if counted is not None else []
+        except Exception:  # counts the worker shaped into nonsense explain nothing
+            findings = []
+        if not findings:
+            raise
+        said = "".join(f"\n  the load counts also say: {sentence} ({COUNTS_WORD})" for sentence, _ in findings)
+        named = [p for _, p in findings if p and p not in error.pitfalls]
+        raise Mismatch(f"{error}{said}", [*error.pitfalls, *named], error.undecided) from error
 
 
 def measure(module, name, *args, **kwargs):

@@ -87,12 +87,14 @@ def test_padding_tokens_write_nothing(drill, device, padding):
 
 @pytest.mark.pitfall("padding_written")
 def test_padding_tokens_read_nothing(drill, device):
-    """A padding token's key/value row must not even be read: counted under the CPU
-    interpreter (tests/_traffic.py), where every load's addresses are seen."""
+    """A padding token's key/value row must not even be read. Its values decide (the
+    padding tokens write nothing); the loads, counted in the worker under the CPU
+    interpreter (tests/_traffic.py), explain a failure and are the worker's word: a right
+    write that reads the padding rows passes, and the traffic report names it."""
     case = random_kv_write_case(context_lens=[2, 9], new_lens=[3, 2], padding=[0, 3, 6], block_size=4,
                                 num_heads=2, head_size=8, device=device)
     if not check_padding_not_read(drill, case):
-        pytest.skip("reads are counted only under the CPU interpreter")
+        pytest.skip("this case runs with its loads counted, under the CPU interpreter only")
 
 
 @pytest.mark.pitfall("row_stride_ignored")

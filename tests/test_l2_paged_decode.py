@@ -89,11 +89,12 @@ def test_block_table_entries_far_outside_the_cache_are_never_read(drill, device)
 
 @pytest.mark.pitfall("reads_past_seq_len")
 def test_block_table_past_last_block_is_not_even_loaded(drill, device):
-    """pitfall:reads_past_seq_len when the K/V loads are masked: loading the whole table row
-    gives the right answer, yet reads garbage entries (a freed row may hold anything). Counted
-    under the CPU interpreter (tests/_traffic.py), where every load's addresses are seen."""
+    """pitfall:reads_past_seq_len: garbage columns past each sequence's last block. The answer
+    decides; the loads, counted in the worker under the CPU interpreter (tests/_traffic.py),
+    explain a failure and are the worker's word. Loading the whole table row with the K/V
+    loads masked gives the right answer: that passes, and the traffic report names it."""
     if not check_table_read_only_to_last_block(drill, _case(device, [5, 17, 32, 40], extra_columns=3, seed=6)):
-        pytest.skip("reads are counted only under the CPU interpreter")
+        pytest.skip("this case runs with its loads counted, under the CPU interpreter only")
 
 
 @pytest.mark.pitfall("wrong_gqa_mapping")

@@ -142,13 +142,14 @@ def test_causal_boundary_just_past_a_tile_edge(drill, device, group):
 
 
 def test_block_table_past_last_block_is_not_even_loaded(drill, device):
-    """design.md: the entries past a sequence's last block are garbage, so not even loaded,
-    even when the K/V loads are masked so that the answer comes out right. Counted under
-    the CPU interpreter (tests/_traffic.py)."""
+    """design.md: the entries past a sequence's last block are garbage, so not even loaded.
+    The answer decides; the loads, counted in the worker under the CPU interpreter
+    (tests/_traffic.py), explain a failure and are the worker's word: a right answer that
+    loaded them passes, and the traffic report names it."""
     # Blocks of 4 tokens: a tile of keys spans several, so one reaching past seq_len meets garbage columns.
     if not check_table_read_only_to_last_block(drill, _case(device, [3, 20, 1], [2, 30, 47], block_size=4,
                                                             extra_columns=3, seed=6)):
-        pytest.skip("reads are counted only under the CPU interpreter")
+        pytest.skip("this case runs with its loads counted, under the CPU interpreter only")
 
 
 def test_decode_only_batch_is_l2(drill, device):

@@ -205,11 +205,12 @@ def test_every_split_count_gives_the_same_answer(drill, device, num_splits):
 
 def test_block_table_past_last_block_is_not_even_loaded(drill, device):
     """design.md: the entries past a sequence's last block are garbage, so not even loaded
-    (L2's reads_past_seq_len, with the K/V loads masked so the answer comes out right).
-    Counted under the CPU interpreter (tests/_traffic.py)."""
+    (L2's reads_past_seq_len). The answer decides; the loads, counted in the worker under
+    the CPU interpreter (tests/_traffic.py), explain a failure and are the worker's word: a
+    right answer that loaded them passes, and the traffic report names it."""
     if not check_table_read_only_to_last_block(drill, _case(device, [5, 17, 40, 70], num_splits=3, extra_columns=3,
                                                             seed=6)):
-        pytest.skip("reads are counted only under the CPU interpreter")
+        pytest.skip("this case runs with its loads counted, under the CPU interpreter only")
 
 
 def test_default_split_count(drill, device):

@@ -261,11 +261,14 @@ def test_decode_nan_bytes_in_unowned_blocks_and_tails(drill, device, fp8):
 
 
 def test_decode_loads_only_live_tokens(drill, device):
-    """The CPU interpreter reads fp8 NaN bytes as finite numbers, so there the same case is
-    run with its loads counted (tests/_traffic.py): no garbage byte may be loaded."""
+    """The same case under the CPU interpreter, with its loads counted (tests/_traffic.py).
+    The answer decides; the interpreter reads fp8 NaN bytes as finite numbers, so a load of
+    them may leave it right: that passes, the traffic report names it, and the counts (the
+    worker's word) explain a wrong answer."""
     if not check_only_live_tokens_loaded(drill, _case(device, [5, 17, 40], tail="nan", extra_columns=3,
                                                       num_splits=3, seed=6)):
-        pytest.skip("loads are counted only under the CPU interpreter; on a GPU the NaN bytes show it")
+        pytest.skip("this case runs with its loads counted, under the CPU interpreter only; on a GPU the "
+                    "NaN bytes show an unmasked load")
 
 
 @pytest.mark.parametrize("head_size", [3, 40], ids=lambda d: f"D={d}")

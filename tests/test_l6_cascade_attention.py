@@ -145,11 +145,12 @@ def test_merge_waits_for_the_prefix_pass_on_a_gpu(drill, device):
 
 @pytest.mark.pitfall("prefix_per_sequence")
 def test_prefix_is_read_once_for_the_batch(drill, device):
-    """pitfall:prefix_per_sequence: the right answer is not enough; pass 1 must load the
-    prefix's K once for all the decode rows, not once per row (counted under the CPU
-    interpreter, tests/_traffic.py)."""
+    """pitfall:prefix_per_sequence: pass 1 should load the prefix's K once for all the decode
+    rows, not once per row. The answer decides; the loads, counted in the worker under the
+    CPU interpreter (tests/_traffic.py), are the worker's word: a right answer that reads the
+    prefix once per sequence passes, and the traffic report names the pitfall (advice)."""
     if not check_prefix_read_once(drill, traffic_case(device)):
-        pytest.skip("reads are counted only under the CPU interpreter")
+        pytest.skip("this case runs with its loads counted, under the CPU interpreter only")
 
 
 # --- the rest of the contract --------------------------------------------------------

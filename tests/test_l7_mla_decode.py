@@ -114,9 +114,10 @@ def test_padding_tokens_write_nothing(drill, device, padding):
 
 @pytest.mark.pitfall("padding_written")
 def test_padding_tokens_read_nothing(drill, device):
-    """A padding token's kv_c and k_pe rows are not even read: counted under the CPU interpreter."""
+    """A padding token's kv_c and k_pe rows are not even read. The values decide; the loads,
+    counted in the worker under the CPU interpreter, explain a failure (the worker's word)."""
     if not check_padding_not_read(drill, _write(device, padding=[0, 3], seed=5)):
-        pytest.skip("reads are counted only under the CPU interpreter")
+        pytest.skip("this case runs with its loads counted, under the CPU interpreter only")
 
 
 @pytest.mark.launches_nothing  # nothing to do: no kernel need run
@@ -270,10 +271,12 @@ def test_empty_sequences_give_zero_and_minus_inf(drill, device, num_splits):
 @pytest.mark.pitfall("value_loaded_again")
 def test_latent_rows_are_read_once(drill, device):
     """pitfall:value_loaded_again: every latent row read once per (sequence, split): the value
-    is the key tile's first R columns, never loaded again. Counted under the CPU interpreter."""
+    is the key tile's first R columns, never loaded again. The answer decides; the loads,
+    counted in the worker under the CPU interpreter, are the worker's word: a right answer
+    that loads the value again passes, and the traffic report names the pitfall (advice)."""
     case = _case(device, [70, 33], num_heads=16, num_splits=2, seed=17)
     if not check_latent_read_once(drill, case):
-        pytest.skip("reads are counted only under the CPU interpreter")
+        pytest.skip("this case runs with its loads counted, under the CPU interpreter only")
 
 
 # --- bad input is refused ----------------------------------------------------------

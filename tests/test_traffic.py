@@ -1,7 +1,9 @@
 """The traffic report (tests/_traffic.py): the adapter over Triton's interpreter counts
 what a kernel loads and stores, fails loudly when Triton moves the hooks, the
 references move (almost) exactly the fewest bytes their drill's page counts, and
-three kernels that are right but wasteful are told apart by the report's words."""
+kernels that are right but wasteful are told apart by the report's words. The counts
+are the worker's word: they explain a failure and advise, and decide no test (a file
+that rewrites them gains no pass)."""
 import pytest
 import torch
 import triton
@@ -176,33 +178,107 @@ def test_l1_reading_padding_rows_is_right_but_reported(tmp_path):
     assert result["parts"]["key/value"] > 1.05, result["line"]
 
 
-def test_l1_test_fails_a_kernel_that_reads_padding_rows(tmp_path):
+# Appended to a planted file: the worker's counter rewritten from the learner's module (it is
+# in the worker's sys.modules), so that no load is counted at all, stores still are.
+COUNTS_REWRITTEN = """
+import sys as _sys
+if "_counting" in _sys.modules:  # planted: the worker's own load counter, rewritten by the learner's file
+    _recorder = _sys.modules["_counting"]._Recorder
+    _real_access = _recorder.access
+    _recorder.access = lambda self, ptrs, mask, size, store: _real_access(self, ptrs, mask, size, store) if store \\
+        else None
+"""
+
+
+def _graded(check, module, case):
+    """A read-side check's verdict on a module: ("passed", [], "") or ("failed", the pitfalls
+    named, the message)."""
     from _diagnose import Mismatch
+    try:
+        check(module, case)
+    except Mismatch as error:
+        return "failed", error.pitfalls, str(error)
+    return "passed", [], ""
+
+
+@pytest.mark.parametrize("edits", [L1_PADDING_READ, L1.pitfalls["padding_written"].edits],
+                         ids=["reads_padding", "reads_and_writes_padding"])
+def test_l1_a_count_rewriting_kernel_that_reads_padding_rows_gains_no_pass(tmp_path, edits):
+    """Issue 47: a kernel that reads the padding rows, as it is and with its file rewriting
+    the worker's load counts. The read-side test passes or fails on the values alone, so
+    the same for both (a right write that reads them passes; one that writes them too
+    fails); the counts only explain (the honest file's failure names padding_written from
+    them, its status said) and advise (the traffic report). A count changes no verdict, so
+    rewriting one gains nothing."""
+    from _traffic import COUNTS_WORD
+    from _worker import TreeModule, Worker
     from drills.l1 import check_padding_not_read, random_kv_write_case
-    case = random_kv_write_case(context_lens=[2], new_lens=[3], padding=[1], block_size=4, num_heads=2, head_size=8)
-    with pytest.raises(Mismatch, match="padding token") as caught:
-        check_padding_not_read(_planted(L1, L1_PADDING_READ, tmp_path), case)
-    assert caught.value.pitfalls == ["padding_written"]
+
+    def case():
+        return random_kv_write_case(context_lens=[2, 9], new_lens=[3, 2], padding=[0, 3, 6], block_size=4,
+                                    num_heads=2, head_size=8)
+    honest = _planted(L1, edits, tmp_path / "honest")
+    folder = _wrong.plant_edits(L1, edits, tmp_path / "forger")
+    with open(folder / f"{L1.stem}.py", "a") as f:
+        f.write(COUNTS_REWRITTEN)
+    worker = Worker(readable=[folder])  # its own: the rewrite stays in the process it was made in
+    try:
+        forger = TreeModule(folder, L1.stem, worker)
+        verdicts = [_graded(check_padding_not_read, module, case()) for module in (honest, forger)]
+        reports = [_said(L1.traffic(module)) for module in (honest, forger)]
+    finally:
+        worker.stop()
+    writes = edits is not L1_PADDING_READ
+    assert [v[0] for v in verdicts] == ["failed" if writes else "passed"] * 2, verdicts
+    assert "padding" in reports[0] and "padding" not in reports[1]  # the counts differ: advice only
+    if writes:  # the honest counts explain the failure too, naming the pitfall, their status said
+        assert "padding_written" in verdicts[0][1] and COUNTS_WORD in verdicts[0][2], verdicts[0]
+        assert COUNTS_WORD not in verdicts[1][2]  # the forger's counts show no read: nothing to add
+
+
+def test_values_decide_and_counts_only_explain():
+    """tests/_traffic.py's values_decide: right values pass without the counts even being
+    read (counts that would raise, or name a pitfall, change nothing); wrong values fail,
+    explained by the counts with their status said; counts that cannot be read explain
+    nothing and fail nothing more."""
+    from _diagnose import Mismatch
+    from _traffic import COUNTS_WORD, values_decide
+
+    def never(counted):
+        raise AssertionError("the counts were read although the values were right")
+    with values_decide(object(), never):
+        pass
+    with pytest.raises(Mismatch) as caught:
+        with values_decide(object(), lambda counted: [("rows 0 and 3 were read", "padding_written")]):
+            raise Mismatch("wrong values", ["other"])
+    assert caught.value.pitfalls == ["other", "padding_written"]
+    assert str(caught.value).startswith("wrong values\n") and COUNTS_WORD in str(caught.value)
+    for counted, explain in ((None, never), (object(), lambda counted: 1 / 0)):
+        with pytest.raises(Mismatch) as caught:
+            with values_decide(counted, explain):
+                raise Mismatch("wrong values", ["other"])
+        assert str(caught.value) == "wrong values" and caught.value.pitfalls == ["other"]
 
 
 @pytest.mark.parametrize("entry,edit,call", [
     (L3, ("key // BLOCK_SIZE, mask=key_live, other=0)", "key // BLOCK_SIZE, mask=key < table_stride * BLOCK_SIZE, "
                                                           "other=0)"), "l3"),
     (L4, L2_WHOLE_ROW[0], "l4")], ids=["l3", "l4"])
-def test_l3_and_l4_loading_the_whole_table_row_fail_their_test(tmp_path, entry, edit, call):
+def test_l3_and_l4_loading_the_whole_table_row_pass_their_test_and_are_reported(tmp_path, entry, edit, call):
+    """The K/V loads still masked, the answer is right: the test passes (the garbage entries
+    it loaded are counted in the worker: its word), and the traffic report names them."""
     from importlib import import_module
 
-    from _diagnose import Mismatch
     module = import_module(f"drills.{call}")
-    case = (module.paged_prefill_case([3, 20, 1], [2, 30, 47], num_heads=8, num_kv_heads=2, head_size=16,
-                                      block_size=4, extra_columns=3, seed=6) if call == "l3"
-            else module.split_case([5, 17, 40, 70], num_splits=3, extra_columns=3, seed=6))
-    module.check_table_read_only_to_last_block(tree_module("solutions", entry.stem), case)  # the reference passes
-    case = (module.paged_prefill_case([3, 20, 1], [2, 30, 47], num_heads=8, num_kv_heads=2, head_size=16,
-                                      block_size=4, extra_columns=3, seed=6) if call == "l3"
-            else module.split_case([5, 17, 40, 70], num_splits=3, extra_columns=3, seed=6))
-    with pytest.raises(Mismatch, match="was loaded"):
-        module.check_table_read_only_to_last_block(_planted(entry, (edit,), tmp_path), case)
+
+    def case():
+        return (module.paged_prefill_case([3, 20, 1], [2, 30, 47], num_heads=8, num_kv_heads=2, head_size=16,
+                                          block_size=4, extra_columns=3, seed=6) if call == "l3"
+                else module.split_case([5, 17, 40, 70], num_splits=3, extra_columns=3, seed=6))
+    planted = _planted(entry, (edit,), tmp_path)
+    for tree in (tree_module("solutions", entry.stem), planted):
+        assert module.check_table_read_only_to_last_block(tree, case())
+    assert "garbage" in _said(entry.traffic(planted))
 
 
 def _l2_right(module):
@@ -229,16 +305,14 @@ def test_l2_reading_the_block_table_per_token_is_right_but_reported(tmp_path):
     assert result["parts"]["block table"] >= 16, result["line"]
 
 
-def test_l2_loading_the_whole_table_row_is_right_but_fails_its_test(tmp_path):
-    """Today's value checks cannot see it (the K/V loads are masked); the counted reads do."""
-    from _diagnose import Mismatch
+def test_l2_loading_the_whole_table_row_is_right_passes_its_test_and_is_reported(tmp_path):
+    """The value checks cannot see it (the K/V loads are masked): the test passes, and the
+    counted reads (the worker's word) name it in the traffic report, as advice."""
     from drills.l2 import check_table_read_only_to_last_block, small_case
     module = _planted(L2, L2_WHOLE_ROW, tmp_path)
     _l2_right(module)
-    assert "garbage" in _said(L2.traffic(module))
-    with pytest.raises(Mismatch, match="was loaded") as caught:
-        check_table_read_only_to_last_block(module, small_case("cpu", [5, 17, 32, 40], extra_columns=3, seed=6))
-    assert caught.value.pitfalls == ["reads_past_seq_len"]
+    assert check_table_read_only_to_last_block(module, small_case("cpu", [5, 17, 32, 40], extra_columns=3, seed=6))
+    assert any("pitfall:reads_past_seq_len" in w for w in L2.traffic(module)["where"])
 
 
 def test_l7_without_split_partials_is_right_and_not_told_its_work_ran_elsewhere(tmp_path):

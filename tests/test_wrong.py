@@ -41,8 +41,12 @@ def planted_grades():
     return _grading.graded(DRILLS)
 
 
-@pytest.mark.parametrize("case", [c for c in CASES if c[1] in c[0].pitfalls],
-                         ids=[f"{d.id}-{n}" for d, n in CASES if n in d.pitfalls])
+def _counts_only(drill, name):
+    return name in drill.pitfalls and drill.pitfalls[name].counts_only
+
+
+@pytest.mark.parametrize("case", [c for c in CASES if c[1] in c[0].pitfalls and not _counts_only(*c)],
+                         ids=[f"{d.id}-{n}" for d, n in CASES if n in d.pitfalls and not _counts_only(d, n)])
 def test_planted_pitfall_fails_the_drill_and_is_named(planted_grades, case):
     drill, name = case
     summary = planted_grades[drill.id, name]
@@ -53,6 +57,21 @@ def test_planted_pitfall_fails_the_drill_and_is_named(planted_grades, case):
     if not _env.INTERPRET and name not in named and name in summary["undecided"]:
         return
     assert name in named, f"{name} planted in {drill.stem}: the grader named {named}; {_told(summary)}"
+
+
+@pytest.mark.parametrize("case", [c for c in CASES if _counts_only(*c)], ids=[f"{d.id}-{n}" for d, n in CASES
+                                                                          if _counts_only(d, n)])
+def test_a_pitfall_only_the_counts_show_passes_and_the_traffic_report_names_it(planted_grades, case):
+    """Right values, more bytes (Pitfall.counts_only): only the load counts show it, and they
+    are the worker's word, which decides no test. So its grade passes (a count that failed it
+    would fail a forger's right answer never), and its traffic report names it, as advice."""
+    drill, name = case
+    summary = planted_grades[drill.id, name]
+    assert summary["status"] == "passed" and summary["diagnosis"] == [], (
+        f"{name} planted in {drill.stem}: a counts-only pitfall now fails a test; if its values show it, it is "
+        f"no longer counts_only: {summary}")
+    where = drill.traffic(_wrong.variant(drill, name))["where"]
+    assert any(f"pitfall:{name}" in line for line in where), f"{name}: its traffic report says {where}"
 
 
 @pytest.mark.parametrize("case", [c for c in CASES if c[1] in c[0].mistakes],

@@ -1,10 +1,11 @@
 """L4's traffic (tests/_traffic.py): its traffic case, traffic(module) with where the
-extra bytes went, and the check that no garbage block-table entry is loaded."""
+extra bytes went (garbage block-table entries among them: advice, the worker's count),
+and the check of a garbage-column case's answer that those counts explain."""
 import torch
 
-from _diagnose import Mismatch
+import _env
 from _paged import DTYPES, owned_columns
-from _traffic import Part, measure, report, was_read
+from _traffic import Part, measure, report, values_decide, was_read
 
 from .bench import split_bytes
 from .cases import split_case
@@ -36,20 +37,26 @@ def garbage_entries_read(case, traffic, record=3):
 
 
 def check_table_read_only_to_last_block(module, case):
-    """paged_decode_attention_split on `case` with its loads counted: no block-table entry
-    past a sequence's last block may be loaded (design.md: they are garbage). Returns
-    False where nothing can be counted (a GPU), True when checked."""
+    """paged_decode_attention_split on `case` (garbage block-table columns) with its loads
+    counted, and its answer checked: the values decide. When they are wrong, garbage
+    entries the worker counted as loaded explain it too (its word); a right answer that
+    loaded them passes here, and the traffic report names it. Returns False where nothing
+    is counted (a GPU: nothing runs), True when checked."""
+    if not _env.INTERPRET:
+        return False
     out = torch.full_like(case.query, float("nan"))
     returned, counted = measure(module, "paged_decode_attention_split", *case.args(), **case.kwargs(), out=out)
-    if counted is None:
-        return False
-    garbage = garbage_entries_read(case, counted)
-    if garbage:
+
+    def explain(counted):
+        garbage = garbage_entries_read(case, counted)
+        if not garbage:
+            return []
         b, c = garbage[0]
-        raise Mismatch(f"block_table[{b}, {c}] was loaded, but sequence {b} has seq_len {int(case.seq_lens[b])}: "
-                       f"the entries past its last block are garbage ({len(garbage)} such entries loaded); mask the "
-                       f"block-table load with pos < seq_len (content/l2.md §9)")
-    check_split_decode(case, out, returned, case.num_splits)
+        return [(f"block_table[{b}, {c}] was loaded, but sequence {b} has seq_len {int(case.seq_lens[b])}: the "
+                 f"entries past its last block are garbage ({len(garbage)} such entries loaded); mask the "
+                 f"block-table load with pos < seq_len (content/l2.md §9)", None)]
+    with values_decide(counted, explain):
+        check_split_decode(case, out, returned, case.num_splits)
     return True
 
 

@@ -28,8 +28,8 @@ PITFALLS = {
         says="pass 1 gives each program one token's queries (one sequence's, in a decode batch), so the prefix's "
              "K/V are read once per sequence instead of once for the batch: right, but no faster than L3",
         edits=(("block_q1 = block_m1 // group", "block_q1 = 1"),),
-        # Right answers, more bytes: only the interpreter's load counters (the traffic test) see it.
-        interpreter_only=True),
+        # Right answers, more bytes: only the interpreter's load counts see it (advice, the traffic report).
+        interpreter_only=True, counts_only=True),
     "merge_swapped": Pitfall(
         says="the merge weighs each side by the other side's log-sum-exp (the sides swapped): what is folded "
              "so far by the incoming part's, the part by what is folded so far",

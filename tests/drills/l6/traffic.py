@@ -1,11 +1,12 @@
 """Drill L6's traffic (tests/_traffic.py): its traffic case, traffic(module) with where the
-extra bytes went, and the check that the prefix's K/V are read once for the batch."""
+extra bytes went (the prefix read once per sequence among them: advice, the worker's
+count), and the check of a decode batch's answer that those counts explain when it fails."""
 import torch
 
-from _diagnose import Mismatch
+import _env
 from _drill import ELEMENT_SIZE
 from _paged import DTYPES, owned_columns
-from _traffic import Part, measure, report, was_read
+from _traffic import Part, measure, report, values_decide, was_read
 from _counting import bytes_of
 
 from .bench import cascade_bytes
@@ -47,21 +48,26 @@ def prefix_reads(case, counted):
 
 
 def check_prefix_read_once(module, case):
-    """cascade_attention on a decode batch with its loads counted: the prefix's K must be
-    read once for the batch (per KV head), not once per sequence. Returns False where
-    nothing can be counted (a GPU), True when checked."""
-    returned, counted = measure(module, "cascade_attention", *case.args(), **case.kwargs())
-    if counted is None:
+    """cascade_attention on a decode batch with its loads counted, and its answer checked:
+    the values decide. When they are wrong, the worker's count of the prefix's reads
+    explains it too (its word). A right answer that reads the prefix once per sequence
+    (pitfall:prefix_per_sequence) passes here: only the counts show it, so the traffic
+    report names it, as advice. Returns False where nothing is counted (a GPU: nothing
+    runs), True when checked."""
+    if not _env.INTERPRET:
         return False
-    check_cascade(case, case.out if case.out is not None else returned, returned)
-    reads, num_seqs = prefix_reads(case, counted), len(case.q_lens)
-    if reads >= num_seqs - 0.01:
+    returned, counted = measure(module, "cascade_attention", *case.args(), **case.kwargs())
+
+    def explain(counted):
+        reads, num_seqs = prefix_reads(case, counted), len(case.q_lens)
+        if reads < num_seqs - 0.01:
+            return []
         per = abs(reads - num_seqs) < 0.01
-        raise Mismatch(f"the answer is right, but each byte of the shared prefix's K was loaded {reads:.2f} times "
-                       f"for {num_seqs} decode rows" + (f": once per sequence; pass 1 takes the whole batch's "
-                       f"queries together, so that one load of a prefix tile feeds every row (pitfall:"
-                       f"prefix_per_sequence, {SECTION})" if per else f", more than once per sequence "
-                       f"(content/l6.md §4)"), ["prefix_per_sequence"] if per else [])
+        return [(f"each byte of the shared prefix's K was loaded {reads:.2f} times for {num_seqs} decode rows"
+                 + (f": once per sequence (pitfall:prefix_per_sequence, {SECTION})" if per else
+                    ", more than once per sequence (content/l6.md §4)"), "prefix_per_sequence" if per else None)]
+    with values_decide(counted, explain):
+        check_cascade(case, case.out if case.out is not None else returned, returned)
     return True
 
 
@@ -96,9 +102,10 @@ def traffic(module):
     where = []
     reads = prefix_reads(case, counted)
     if reads > 1.05:
+        per = abs(reads - len(case.q_lens)) < 0.01
         where.append(f"the shared prefix's K/V were read {reads:.2f}× (once per sequence would be "
                      f"{len(case.q_lens)}×): pass 1 takes the batch's queries together, so each prefix tile is "
-                     f"loaded once for all of them")
+                     f"loaded once for all of them" + (f" ({SECTION}, pitfall:prefix_per_sequence)" if per else ""))
     if result["parts"]["query"] > 1.05:
         where.append(f"the query was read {result['parts']['query']:.2f}×: once by each chunk of pass 1 and once "
                      f"by pass 2 (the price of two passes; vLLM's two kernel calls read it twice too)")

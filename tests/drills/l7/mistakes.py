@@ -22,7 +22,7 @@ PITFALLS = {
                 "        if UPCAST:\n"
                 "            v = v.to(tl.float32)\n"
                 '        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")'),),
-        interpreter_only=True),  # the values are right: only the interpreter's counted bytes show it
+        interpreter_only=True, counts_only=True),  # right values: only the interpreter's counted bytes show it
     "rope_part_left_out": Pitfall(
         says="the rotary part q_pe · k_pe is left out of the score",
         edits=(('        s = tl.dot(q_pe, tl.trans(k_pe), acc=s, input_precision="ieee")\n', ""),)),
