@@ -5,7 +5,6 @@ those notes; a line every few seconds while a model loads; the chat template ove
 a reply's text without special tokens.
 """
 import os
-import sys
 import threading
 import time
 

@@ -8,19 +8,20 @@ batched generate. `bytes` is one decode step's floor: the weights plus the KV re
 And `make chat` (`chat` below): the learner's engine serving the real model,
 SmolLM2-135M-Instruct, on any machine, its replies checked against generate."""
 import argparse
-import os
 import sys
 import time
+from pathlib import Path
 
 import _env
 import torch
 
 from _drill import BenchCase
+from _chat import NotingKernels, Ticker, describe, reuse_line, shown, template, text_of, token_lists, watching
 from _tree import ROOT, parameters, tree_path
 from _worker import TIMEOUT, LearnerCrash, LearnerTimeout, reset_all, tree_module
 
-from .cases import (NAME, PRELOAD, WRITES, Recorder, cached_smollm2, chat_ids, install_hint, kernels_tree, load_folder,
-                    load_smollm2, smollm2_available, tiny_model)
+from .cases import (NAME, PRELOAD, WRITES, cached_smollm2, install_hint, kernels_tree, load_folder, load_smollm2,
+                    smollm2_available, tiny_model)
 from .mistakes import PLANTED
 from .reference import LOGIT_TOLERANCE, eos_ids, model_logits, reference_tokens
 
@@ -223,26 +224,33 @@ def continuous_batching(model, prompts, new, timed):
 
 
 # ---------------------------------------------------------------------------
-# `make chat`: the engine serving SmolLM2-135M-Instruct on the CPU, against generate
+# `make chat` (= grader.py chat): the engine serving SmolLM2-135M-Instruct, against generate
 #
 #     make chat [PROMPT="What is 2+2?|Name a color."] [TOKENS=16] [TREE=mine] [KERNELS=solutions]
-#               [MODEL=path] [TIMEOUT=600]
-#     (= PYTHONPATH=tests .venv/bin/python -m drills.e1.bench chat [--prompt ...] [--tokens N] ...)
+#               [MODEL=path] [TIMEOUT=600] [TURNS=3] [PROMPTS_FILE=path]
 #
-# Each prompt (`|` separates several) goes under the model's chat template; the engine
-# serves them all in one generate() call, batched, greedy. The learner's code runs in a
-# worker process, as in the grade (tests/_worker.py), which hands its answer back only when
-# the call returns: so each reply is printed token by token after the call, not while it
-# runs, and tokens/s is the new tokens over that one call's wall time. Then each reply is
-# checked against transformers' own generate on the same model: equal, or where it first
-# differs, with the model's logits for both tokens at that step.
-#
-# Exit status: 0 when the chat ran (whatever the check found) or the engine is not written
-# yet; 1 when the model could not be loaded or the learner's code raised, crashed or ran
-# out of time; 2 for a usage error.
+# The prompts (`|` separates several) go under the model's chat template, served in one
+# generate() call, batched, greedy, in a worker as in the grade; the kernels handed to it
+# note each step, printed as a line (tests/_chat.py). Then each reply's text and its check
+# against transformers' generate: equal, or where it first differs, with both logits.
+# TURNS=n (or PROMPTS_FILE=, a message a line) is a chat: turn k repeats the earlier turns
+# and their replies, on the tree's E2 engine, which says what it reused (E1's while E2 is
+# not written, saying so). Exits 0 when the chat ran (whatever the check found) or the engine
+# is not written yet; 1 when the model did not load or the learner's code failed; 2: usage.
 
 DEFAULT_PROMPT = "What is 2+2?"
 DEFAULT_TOKENS = 16  # SmolLM2 answers the default prompt in 12 tokens and stops at EOS
+DEFAULT_TURNS = ("What is 2+2?", "And 3+3?", "Add the two answers.", "Say it in words.")
+E2 = "e2_prefix_cache"
+E2_PARAMETERS = ("model", "prompts", "max_new_tokens", "block_size", "num_blocks", "max_num_batched_tokens",
+                 "enable_prefix_caching", "kernels", "return_stats")  # design.md's, before E2's reference exists
+KERNEL_STEMS = {"slot_mapping": "l1_paged_kv_write", "reshape_and_cache": "l1_paged_kv_write",
+                "paged_prefill_attention": "l3_paged_prefill", "cascade_prefix_len": "l6_cascade_attention",
+                "cascade_attention": "l6_cascade_attention"}  # E1 calls two, E2 all five
+
+
+def chat_kernels(tree, layers):
+    return NotingKernels(tree, KERNEL_STEMS, ("paged_prefill_attention", "cascade_attention"), layers)
 
 
 def chat(argv=None):
@@ -253,120 +261,150 @@ def chat(argv=None):
     parser.add_argument("--tree", default="mine", help="whose engine: mine, solutions or a folder")
     parser.add_argument("--model", default="", help="a checkpoint folder of a Llama or Qwen2 (default: SmolLM2)")
     parser.add_argument("--timeout", type=float, default=0, help="seconds your engine may take (10 x TIMEOUT)")
+    parser.add_argument("--turns", type=int, default=0, help="a chat of this many turns, on your E2 engine")
+    parser.add_argument("--prompts-file", default="", help="a chat whose turns are this file's lines")
     args = parser.parse_args(argv)
     prompts = [p.strip() for p in (args.prompt or DEFAULT_PROMPT).split("|") if p.strip()]
-    tokens = args.tokens
     try:
-        tree = tree_path(args.tree)
+        tree, turns = tree_path(args.tree), chat_turns(args, prompts)
         kernels = kernels_tree(tree)
-    except FileNotFoundError as error:
+    except (OSError, ValueError) as error:
         print(f"chat: {error}", file=sys.stderr)
         return 2
-    if not prompts or tokens < 1:
-        print("chat: give a non-empty PROMPT and TOKENS >= 1", file=sys.stderr)
-        return 2
+    with torch.no_grad():
+        return _chat(args, tree, kernels, prompts, turns)
+
+
+def chat_turns(args, prompts):
+    """The user messages of a chat (TURNS= or PROMPTS_FILE=), or None for one batched call."""
+    if args.tokens < 1:
+        raise ValueError("TOKENS must be >= 1")
+    if not (args.turns or args.prompts_file):
+        return None
+    given = open(args.prompts_file, encoding="utf-8").read().splitlines() if args.prompts_file else \
+        (prompts if args.prompt else DEFAULT_TURNS)
+    turns = [t.strip() for t in given if t.strip()]
+    if not 0 < (args.turns or len(turns)) <= len(turns):
+        raise ValueError(f"TURNS={args.turns}, but there are {len(turns)} messages to send (PROMPT=\"a|b|c\" or "
+                         f"PROMPTS_FILE= gives more)")
+    return turns[:args.turns or len(turns)]
+
+
+def _chat(args, tree, kernels, prompts, turns):
     contract = {fn: (names, WRITES.get(fn, ())) for fn, names in parameters(STEM).items()}  # as the grade's
     engine = tree_module(tree, STEM, contract=contract, readable=[kernels], preload=PRELOAD)
     budget = args.timeout or 10 * TIMEOUT  # one generate() of a real model is no test's worth of work
-    try:
-        reset_all(budget=budget)  # a stub says so at once, before the model takes its seconds to load
-        engine.generate(tiny_model(), [[1, 2, 3]], 1, kernels=Recorder(kernels))
+    print(f"starting a worker for {shown(tree)}/ and trying its engine on a tiny random model ...", flush=True)
+    try:  # a stub says so at once, before the model takes its seconds to load
+        reset_all(budget=budget)
+        engine.generate(tiny_model(), [[1, 2, 3]], 1, kernels=chat_kernels(kernels, 2))
     except NotImplementedError as error:
         return not_written(error, tree, kernels)
     except (LearnerCrash, LearnerTimeout, Exception) as error:  # the learner's code: say what, and where
         return failed(error, "on a tiny random model (the tests' kind; make grade DRILL=e1 explains more)")
+    e2 = e2_engine(tree, kernels, budget) if turns else None
     loaded = load(args.model)
     if loaded is None:
         return 1
     model, tokenizer = loaded
-    print(f"engine: {shown(tree)}/{STEM}.py on the L1 and L3 of {shown(kernels)}/, {_env.describe()}")
-    ids = [template(tokenizer, p) for p in prompts]
-    print(f"serving {len(ids)} prompt(s) of {[len(p) for p in ids]} tokens, up to {tokens} new tokens each ...",
-          flush=True)
-    started = time.monotonic()
-    try:
-        reset_all(budget=budget)
-        replies = engine.generate(model, ids, tokens, kernels=Recorder(kernels, floats=key_room(model, ids, tokens)))
-    except NotImplementedError as error:
-        return not_written(error, tree, kernels)
-    except (LearnerCrash, LearnerTimeout, Exception) as error:
-        return failed(error, f"serving {args.model or NAME}")
-    seconds = time.monotonic() - started
-    if not (isinstance(replies, list) and len(replies) == len(ids)
-            and all(isinstance(r, list) and all(isinstance(t, int) for t in r) for r in replies)):
-        print(f"your engine returned {str(replies)[:200]}, not one list of token ids per prompt (content/e1.md §1)")
-        return 1
+    print(f"engine: {shown(tree)}/{E2 if e2 else STEM}.py on the kernels of {shown(kernels)}/, {_env.describe()}")
+    if turns:
+        return chat_of_turns(e2 or engine, bool(e2), model, tokenizer, turns, args, kernels, budget)
+    ids = [template(tokenizer, [p]) for p in prompts]
+    print(f"serving {len(ids)} prompt(s) of {[len(p) for p in ids]} tokens, up to {args.tokens} new tokens each; a "
+          f"line per step of your engine:", flush=True)
+    served = serve(engine, model, ids, args.tokens, kernels, budget)
+    if isinstance(served, int):
+        return served
+    replies, seconds, _ = served
     for i, (prompt, reply) in enumerate(zip(prompts, replies)):
-        print(f"\n[{i + 1}] {prompt}")
-        stream(tokenizer, reply)
+        print(f"\n[{i + 1}] {prompt}\n{text_of(tokenizer, reply)}")
     made = sum(map(len, replies))
     print(f"\n{made} new tokens in {seconds:.1f} s: {made / seconds:.2f} tokens/s over the one generate() call, "
-          f"prompts batched (printed when the call returned)")
+          f"prompts batched")
     for i, (prompt, reply) in enumerate(zip(ids, replies)):
-        print(f"[{i + 1}] " + compare(model, tokenizer, prompt, reply, tokens))
+        print(f"[{i + 1}] " + compare(model, tokenizer, prompt, reply, args.tokens))
     return 0
 
 
-def load(folder):
-    """(model, tokenizer) on the device the kernels run on, said in one line; None if it failed."""
-    started = time.monotonic()
-    if not folder and not cached_smollm2():
-        print(f"loading {NAME} from its GGUF file: ~20 s of CPU this once; then a copy in .drills/models loads in "
-              f"~2 s", flush=True)
+def e2_engine(tree, kernels, budget):
+    """The tree's E2 engine when it serves (tried on a tiny model), else None, saying why."""
+    if not (Path(tree) / f"{E2}.py").is_file():
+        print(f"{shown(tree)}/ has no {E2}.py: the chat runs on E1's engine, which reuses nothing between turns")
+        return None
+    names = parameters(E2)["generate"] if (ROOT / "solutions" / f"{E2}.py").is_file() else E2_PARAMETERS
+    engine = tree_module(tree, E2, contract={"generate": (names, ("kernels",))}, readable=[kernels], preload=PRELOAD)
     try:
-        model, tokenizer = load_folder(folder) if folder else load_smollm2()
+        reset_all(budget=budget)
+        engine.generate(tiny_model(), [[1, 2, 3]], 1, kernels=chat_kernels(kernels, 2), return_stats=True)
+    except NotImplementedError:
+        print(f"E2 not written yet ({shown(tree)}/{E2}.py): the chat runs on E1's engine, which reuses nothing")
+        return None
+    except (LearnerCrash, LearnerTimeout, Exception) as error:
+        failed(error, "on a tiny random model (make grade DRILL=e2 explains more); the chat runs on E1's engine")
+        return None
+    return engine
+
+
+def chat_of_turns(engine, is_e2, model, tokenizer, turns, args, kernels, budget):
+    """Turn k: the earlier turns, their replies and message k, under the chat template."""
+    history = []
+    for k, message in enumerate(turns, start=1):
+        history.append(message)
+        ids = template(tokenizer, history)
+        print(f"\n[turn {k}] {message}  ({len(ids)} prompt tokens; a line per step)", flush=True)
+        served = serve(engine, model, [ids], args.tokens, kernels, budget, stats=is_e2)
+        if isinstance(served, int):
+            return served
+        (reply,), seconds, stats = served
+        history.append(text_of(tokenizer, reply))
+        print(f"{history[-1]}\n{len(reply)} new tokens in {seconds:.1f} s; "
+              + (reuse_line(stats) if is_e2 else "E1 reuses nothing: every prompt token computed"))
+        print(compare(model, tokenizer, ids, reply, args.tokens))
+    return 0
+
+
+def serve(engine, model, ids, tokens, kernels, budget, stats=False):
+    """engine.generate on `ids`, a line per step while it runs: (replies, seconds, stats or
+    None), or the exit status when it failed."""
+    started = time.monotonic()
+    try:
+        reset_all(budget=budget)
+        with watching(tokens):
+            result = engine.generate(model, ids, tokens, kernels=chat_kernels(kernels, model.config.num_hidden_layers),
+                                     **(dict(return_stats=True) if stats else {}))
+    except NotImplementedError as error:
+        return not_written(error, Path(kernels), kernels)
+    except (LearnerCrash, LearnerTimeout, Exception) as error:
+        return failed(error, f"serving {NAME}")
+    replies, extra = result if stats and isinstance(result, tuple) and len(result) == 2 else (result, None)
+    if not token_lists(replies, len(ids)):
+        print(f"your engine returned {str(result)[:200]}, not one list of token ids per prompt (content/e1.md §1)")
+        return 1
+    return replies, time.monotonic() - started, extra
+
+
+def load(folder):
+    """(model, tokenizer) on the kernels' device, or None, said in one line. No time is promised
+    (the kept copy took 2-8 s here, the GGUF file 20-74 s): a line every 10 s says it goes on."""
+    first = not folder and not cached_smollm2()
+    print(f"loading {folder or NAME}" + (" from its GGUF file, this once (later calls read a copy kept in "
+                                         ".drills/models)" if first else "") + " ...", flush=True)
+    try:
+        with Ticker("  still loading") as ticks:
+            model, tokenizer = load_folder(folder) if folder else load_smollm2()
     except (OSError, ValueError) as error:
         hint = "" if folder or smollm2_available() else f"\n  {install_hint()}"
         print(f"chat: the model could not be loaded: {error}{hint}", file=sys.stderr)
         return None
-    print(f"{describe(model, folder)}; loaded in {time.monotonic() - started:.1f} s")
+    print(f"{describe(model, folder or NAME)}; loaded in {ticks.seconds:.1f} s")
     return model, tokenizer
-
-
-def key_room(model, ids, tokens):
-    """Floats the Recorder needs to log every key the engine writes."""
-    c = model.config
-    head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
-    return c.num_hidden_layers * c.num_key_value_heads * head_dim * (sum(map(len, ids)) + tokens * len(ids))
 
 
 def failed(error, doing):
     where = getattr(error, "where", None)
     print(f"your engine failed {doing}: {type(error).__name__}: {error}" + (f"\n  at {where}" if where else ""))
     return 1
-
-
-def shown(path):
-    """A path as the learner would type it: relative to the repository when inside it."""
-    path = os.path.realpath(path)
-    return os.path.relpath(path, ROOT) if path.startswith(str(ROOT) + os.sep) else path
-
-
-def describe(model, folder):
-    c = model.config
-    heads, kv = c.num_attention_heads, c.num_key_value_heads
-    head_dim = getattr(c, "head_dim", None) or c.hidden_size // heads
-    return (f"model: {folder or NAME}, {type(model).__name__}: {c.num_hidden_layers} layers, hidden {c.hidden_size}, "
-            f"{heads} query heads over {kv} KV heads (a GQA group of {heads // kv}), head size {head_dim}, "
-            f"{str(model.dtype).removeprefix('torch.')}")
-
-
-def template(tokenizer, text):
-    """The prompt under the model's chat template (a checkpoint without one: the plain text)."""
-    if getattr(tokenizer, "chat_template", None):
-        return chat_ids(tokenizer, text)
-    return tokenizer(text).input_ids
-
-
-def stream(tokenizer, reply):
-    """The reply, one token at a time (each piece is the text the token adds)."""
-    printed = ""
-    for n in range(1, len(reply) + 1):
-        text = tokenizer.decode(reply[:n])  # a token's text can depend on the ones before it
-        sys.stdout.write(text[len(printed):])
-        printed = text
-    sys.stdout.write("\n")
-    sys.stdout.flush()
 
 
 def compare(model, tokenizer, prompt, reply, max_new):
@@ -403,12 +441,9 @@ def not_written(error, tree, kernels):
     return 0
 
 
-if __name__ == "__main__":
+if __name__ == "__main__":  # the benches by hand; `make chat` is grader.py chat
     import json
 
     from _tree import load_drill
-    if sys.argv[1:2] == ["chat"]:
-        with torch.no_grad():
-            sys.exit(chat(sys.argv[2:]))
     shape, params = (SMOLLM2_SHAPE, SMOLLM2_PARAMS) if sys.argv[1:2] == ["smollm2-shape"] else (MODEL, _PARAMS)
     print(json.dumps(measure(load_drill("solutions", "e1_paged_engine"), params=params, shape=shape)))
