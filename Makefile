@@ -1,4 +1,7 @@
 # The front door. Every target sets up .venv on first use.
+#   make setup                 create .venv with what the drills need (torch, Triton, numpy, pytest, rich:
+#                              see "Set-up" below); every other target runs it first, and once .venv is
+#                              ready it does nothing
 #   make grade                 grade mine/ (TREE=solutions or TREE=path to grade another tree; DRILL=l1 for one;
 #                              TIMEOUT=120: seconds your code may run in one test, default 60;
 #                              KERNELS=solutions: E1 runs on the reference L1 and L3 instead of yours)
@@ -14,7 +17,11 @@
 #                              only) from 120 columns, else a unified diff; TREE=path for a learner's copy,
 #                              OTHER=path to put a second learner's copy where the reference was
 #   make reset DRILL=l1        back up your file to .drills/backups/, then restore the stub
-#   make hint DRILL=l1         the next hint from the drill's page
+#   make hint DRILL=l1         the next hint (content/l1-hints.md), one at a time; progress in .drills/hints.json
+#   make walkthrough DRILL=l1  the reference read line by line (content/l1-walkthrough.md); until L1's last
+#                              grade passed it asks first (YES=1: without asking)
+#   make page DRILL=l1         the drill's page rendered in the terminal, self-test answers folded
+#                              (ANSWERS=1: shown; on a terminal, Enter after the page shows them)
 #   make show DRILL=l1         draw what your code gives on a small case (exits 0 whenever it draws)
 #   make watch DRILL=l1        re-grade whenever your file changes
 #   make doctor                check Python, torch, Triton, numpy and the interpreter
@@ -28,6 +35,8 @@ DRILL  ?=
 TIMEOUT ?=
 KERNELS ?=
 OTHER  ?=
+YES     ?=
+ANSWERS ?=
 
 # Set-up is decided by tests/_setup.py, which prints the path it took. Without an
 # NVIDIA GPU, torch comes from PyTorch's CPU index (a ~192 MB wheel rather than
@@ -40,7 +49,7 @@ TORCH       ?=
 TORCH_INDEX ?=
 INSTALLER   ?=
 
-.PHONY: setup grade test chat bench diff reset hint show watch doctor clean
+.PHONY: setup grade test chat bench diff reset hint walkthrough page show watch doctor clean
 
 setup: $(VENV)/.ready
 
@@ -77,9 +86,10 @@ chat: setup $(VENV)/.e1-model
 bench: setup
 	$(PY) grader.py bench $(DRILL)
 
-diff reset hint show watch: setup
+diff reset hint walkthrough page show watch: setup
 	@test -n "$(DRILL)" || { echo "usage: make $@ DRILL=l1"; exit 2; }
-	$(PY) grader.py $@ $(DRILL) --tree $(TREE)$(if $(and $(filter diff,$@),$(OTHER)), --other $(OTHER))$(if $(filter watch,$@), || { code=$$?; [ $$code -eq 130 ] || exit $$code; })
+	$(PY) grader.py $@ $(DRILL) --tree $(TREE)$(if $(and $(filter diff,$@),$(OTHER)), --other $(OTHER))$(if \
+		$(and $(filter walkthrough,$@),$(filter-out 0,$(YES))), --yes)$(if $(and $(filter page,$@),$(filter-out 0,$(ANSWERS))), --answers)$(if $(filter watch,$@), || { code=$$?; [ $$code -eq 130 ] || exit $$code; })
 
 doctor: setup
 	$(PY) grader.py doctor
