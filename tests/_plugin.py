@@ -18,6 +18,20 @@ from pathlib import Path
 for _pool in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS"):
     os.environ.setdefault(_pool, "1")
 
+# The learner's limit per test (tests/_worker.py's TIMEOUT: DRILLS_TIMEOUT, else 60 s) is
+# for a machine that is not busy. On a busy one (the 1-minute load average above the number
+# of cores) the same code takes longer, and a verdict may take longer, never change: unless
+# DRILLS_TIMEOUT is set, the limit grows with the load (up to 10x), set here before
+# tests/_worker.py reads it, so every message that states it states the limit applied.
+def limit_under_load(load, cores, quiet=60):
+    """The learner's limit per test, in seconds, on a machine this busy: `quiet` (tests/_worker.py's
+    default) times the load over the cores, at least 1x and at most 10x."""
+    return round(quiet * min(10.0, max(1.0, load / max(1, cores))))
+
+
+if "DRILLS_TIMEOUT" not in os.environ and os.getloadavg()[0] > (os.cpu_count() or 1):
+    os.environ["DRILLS_TIMEOUT"] = str(limit_under_load(os.getloadavg()[0], os.cpu_count() or 1))
+
 # A grading run plans this process's worker: started first, its imports overlap ours.
 from _process import start_planned_worker  # noqa: E402  -- imports no torch
 _PLANNED = start_planned_worker()

@@ -220,6 +220,19 @@ def test_a_busy_machine_costs_the_diagnosis_time_not_a_name(monkeypatch):
         f"a variant that ran out of time must be undecided, not ruled out: found {found}, undecided {undecided}"
 
 
+def test_the_learners_limit_grows_with_the_load_unless_set():
+    """A right but slow kernel on a busy machine must not time out where it passes on a
+    quiet one: without DRILLS_TIMEOUT the per-test limit is 60 s times the load over the
+    cores (1x to 10x); a limit the learner set is theirs, whatever the load."""
+    import _plugin
+    got = [_plugin.limit_under_load(load, cores) for load, cores in ((0.5, 2), (2.0, 2), (6.0, 2), (40.0, 2), (9, 16))]
+    assert got == [60, 60, 180, 600, 60], f"limits for loads 0.5, 2, 6, 40 on 2 cores and 9 on 16: {got}"
+    told = subprocess.run([sys.executable, "-c", "import _plugin, _worker; print(_worker.TIMEOUT)"], cwd=ROOT,
+                          capture_output=True, text=True, env={**os.environ, "PYTHONPATH": str(ROOT / "tests"),
+                                                               "DRILLS_TIMEOUT": "7"})
+    assert told.stdout.split()[-1:] == ["7.0"], f"DRILLS_TIMEOUT=7 was not kept: {told.stdout}{told.stderr}"
+
+
 def test_a_crash_in_a_marked_test_keeps_the_name_the_other_failures_support():
     """An L7 kernel with no head mask: five tests marked head_tile_unmasked name it, the sixth
     crashes (its stores past the end of lse abort the process). The crash says nothing
