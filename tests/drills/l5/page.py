@@ -2,13 +2,16 @@
 import re
 
 import torch
+import triton
+import triton.language as tl
 
+import _env
 from _pages import section
 from _traffic import check_page_line
 from _tree import load_drill
 
 from .bench import write_bytes
-from .cases import WORKED_EXAMPLE, worked_example_numbers, write_case
+from .cases import WORKED_EXAMPLE, decode_case, worked_example_numbers, write_case
 from .reference import FP8_MAX, quantise
 from .traffic import TRAFFIC_CASE, traffic
 
@@ -121,14 +124,57 @@ def check_traffic_line(text):
 
 
 def check_torch_saturation(text):
-    """§3: torch's own e4m3fn cast above 448 differs between versions; the page names what
-    torch 2.13 gives, which this check can see when it runs on torch 2.13."""
+    """§3: torch's own e4m3fn cast above 448 differs between the two runs the page names, which
+    differ in version and in device both (so the page blames neither): what torch 2.13's CPU
+    wheel gives, this check sees when it runs there."""
     part = section(text, 3)
-    assert "torch 2.13 却给 448" in part and "torch 2.11 的 `.to(float8_e4m3fn)` 在 464 以上给 NaN" in part
-    if torch.__version__.startswith("2.13"):
-        assert float(torch.tensor([500.0]).to(torch.float8_e4m3fn).float()) == 448.0
+    assert "torch 2.11 的 `.to(float8_e4m3fn)` 在 464 以上给 NaN（在 H200 上试的）" in part
+    assert "torch 2.13 却给 448（CPU 版的 wheel" in part and "版本和设备都不一样" in part
+    if torch.__version__.startswith("2.13") and "+cpu" in torch.__version__:
+        assert float(torch.tensor([464.0, 500.0]).to(torch.float8_e4m3fn).float().max()) == 448.0
+
+
+@triton.jit
+def _divide(x_ptr, s_ptr, out_ptr, N: tl.constexpr):
+    i = tl.arange(0, N)
+    tl.store(out_ptr + i, tl.load(x_ptr + i) / tl.load(s_ptr + i))
+
+
+def check_division_told_only_on_a_gpu(text):
+    """§5 and §10: a plain `/` is told about ("one fp8 step") only on a GPU. The interpreter's
+    `/` is numpy's, correctly rounded (bit for bit torch's fp32 division, checked here when
+    the interpreter runs), so there the grade plants no such mistake and says nothing."""
+    from .mistakes import MISTAKES
+    assert ("quotient_not_correctly_rounded" in MISTAKES) == (not _env.INTERPRET)
+    msg = section(text, 10)
+    assert "在 GPU 上，用 `/` 的 kernel 会被告知" in section(text, 5) and "在 CPU 解释器里不会" in section(text, 5)
+    assert "只在 GPU 上" in msg and "那里它通过，不会被告知" in msg
+    if _env.INTERPRET:
+        g = torch.Generator().manual_seed(5)
+        x = torch.randn(1 << 14, generator=g) * 1000
+        s = torch.rand(1 << 14, generator=g) * 3 + 1e-3
+        out = torch.empty_like(x)
+        _divide[(1,)](x, s, out, N=1 << 14)
+        assert torch.equal(out.view(torch.int32), (x / s).view(torch.int32))
+
+
+def check_seq_len_zero_refused(text):
+    """§1: every seq_len is at least 1, a 0 is refused on the CPU (as in L4), and the page says
+    L7 differs."""
+    assert "每个 `seq_len` 至少是 1（新 token 本身），`seq_lens` 里的 0 在 CPU 上报 `ValueError`" in section(text, 1)
+    assert "L7 在这一点上不一样：那里长度 0 的序列合法" in section(text, 1)
+    case = decode_case([5, 3])
+    args = list(case.args())
+    args[4] = torch.tensor([5, 0], dtype=case.seq_lens.dtype)
+    try:
+        load_drill("solutions", "l5_fp8_kv_cache").paged_decode_attention_fp8(*args, **case.kwargs())
+    except ValueError as error:
+        assert "at least 1" in str(error)
+    else:
+        raise AssertionError("solutions/l5_fp8_kv_cache.py accepts a length-0 sequence on the CPU")
 
 
 PAGE_CHECKS = (check_traffic_line, check_worked_example_table, check_format_table, check_interpreter_counts,
-               check_source_dtype_division, check_torch_saturation, check_contract_details,
+               check_source_dtype_division, check_torch_saturation, check_division_told_only_on_a_gpu,
+               check_contract_details, check_seq_len_zero_refused,
                check_self_test_quantise, check_self_test_saturation, check_self_test_write_bytes, check_bytes_saved)
