@@ -1,7 +1,7 @@
 """A class in one command: `grader.py class ROSTER` grades every learner of a roster with the
 single grade as it is, several at once, and writes a gradebook, each learner's grade and
-feedback, Gradescope's results.json and a copy-detection report. Names no drill: grader.py
-hands it the manifest's drills. It changes no verdict: each learner is one run of
+feedback, Gradescope's results.json and a copy-detection report. Names no drill (their ids
+and stems come from tests/_catalog.py). It changes no verdict: each learner is one run of
 `grader.py --tree ... --json ...`, the boundary and all.
 
 - ROSTER holds one folder per learner: a tree of module files, or a clone of the project
@@ -15,9 +15,9 @@ hands it the manifest's drills. It changes no verdict: each learner is one run o
   (tests/, grader.py, the stubs) hash as at their last grade is not graded again. Each
   learner's files and the gradebook are written as soon as that learner is done, so
   Ctrl-C keeps what is done.
-- Bad input (a folder with no tree, extra files, a name that reads as an option or holds
-  a newline or '..', two names equal once normalised, an unreadable folder, a grade that
-  crashes or times out) is one line in the terminal and the gradebook; the class goes on.
+- Bad input (no tree, extra files, a name like an option or holding a newline or '..', two
+  names alike once normalised, an unreadable folder, a grade that crashes or times out) is one
+  line in the terminal and the gradebook; the class goes on.
 """
 import argparse
 import hashlib
@@ -37,6 +37,7 @@ from pathlib import Path
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 from rich.text import Text
 
+import _catalog
 import _env
 import _similarity
 from _gradebook import POINTS, Book, feedback, summary_line
@@ -216,9 +217,8 @@ class ClassRun:
                "--timeout", str(self.args.timeout), "--no-bench"]  # benches: after all the tests
         if self.args.test_timeout:
             cmd += ["--test-timeout", str(self.args.test_timeout)]
-        env = {}
-        if not _env.INTERPRET and not os.environ.get("DRILLS_SHARDS"):  # the host's cores shared among the jobs
-            env["DRILLS_SHARDS"] = str(max(1, (os.cpu_count() or 2) // 2 // self.args.jobs))
+        shards = max(1, (os.cpu_count() or 2) // 2 // self.args.jobs)  # on a GPU: the host's cores shared by the jobs
+        env = {} if _env.INTERPRET or os.environ.get("DRILLS_SHARDS") else {"DRILLS_SHARDS": str(shards)}
         limit = self.args.learner_timeout or self.args.timeout * len(self.drills) + 120
         started, counted = time.monotonic(), 0
         child = Child(cmd, env=env)
@@ -429,7 +429,9 @@ def _out_problem(out, roster_folder):
     return None
 
 
-def main(argv, all_drills):
+def main(argv, all_drills=None):
+    """`grader.py class ...`; the drills: the manifest's ids and stems (the --json gives the rest)."""
+    all_drills = all_drills or _catalog.entries()
     console = make_console()
     args = parse(argv, all_drills)
     roster_folder = Path(args.roster).expanduser()

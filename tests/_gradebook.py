@@ -71,7 +71,7 @@ class Book:
         tests = []
         for drill in self.drills:
             s = by_id.get(drill.id)
-            tests.append(dict(name=f"{drill.id.upper()} {drill.title}", score=self.score(drill, s),
+            tests.append(dict(name=f"{drill.id.upper()} {s['title'] if s else drill.stem}", score=self.score(drill, s),
                               max_score=self.points[drill.id],
                               status="passed" if s and s["status"] == "passed" else "failed",
                               output=drill_text(grade, s) if s else problem or "not graded"))
@@ -112,6 +112,7 @@ def summary_line(grade, status, problem, seconds):
     """A learner's one line in the terminal."""
     if not grade:
         return f"{status}: {problem}"
-    parts = [f"{s['id'].upper()} {s['status']}" + (f" {s['passed']}/{s['total']}" if s.get("total") else "")
-             for s in grade["drills"]]
+    parts = [f"{s['id'].upper()} {s['status']}" + (f" ({s['passed']} of {s['total']} tests pass)" if s.get("total")
+                                                   and s["status"] != "passed" else f" {s['passed']}/{s['total']}"
+                                                   if s.get("total") else "") for s in grade["drills"]]
     return " · ".join(parts) + f" ({seconds:.0f} s)"

@@ -181,7 +181,7 @@ def class_report(learners, drills, stubs, roster):
                  if one["files"].get(drill.stem, stub) != stub}
         reference = (ROOT / "solutions" / f"{drill.stem}.py").read_text()
         found = pairs(files, stub.decode(errors="replace"), reference)
-        lines += [f"## {drill.id.upper()} {drill.title}", "",
+        lines += [f"## {drill.id.upper()} ({drill.stem}.py)", "",
                   f"{len(files)} learner file(s) compared (untouched stubs and missing files aside); "
                   f"{len(found)} pair(s) flagged.", ""]
         if not found:
