@@ -25,6 +25,9 @@
 #   make show DRILL=l1         draw what your code gives on a small case (exits 0 whenever it draws)
 #   make watch DRILL=l1        re-grade whenever your file changes
 #   make doctor                check Python, torch, Triton, numpy and the interpreter
+#   make class ROSTER=dir      grade every learner of a roster (a folder of trees or clones) into class-out/:
+#                              gradebook.csv, feedback, Gradescope's results.json, similarity.md; DRILL=l1,l2,
+#                              JOBS=2, OUT=dir (README, "For instructors")
 #   make clean                 remove .venv and caches
 
 PYTHON ?= python3
@@ -35,6 +38,9 @@ DRILL  ?=
 TIMEOUT ?=
 KERNELS ?=
 OTHER  ?=
+ROSTER ?=
+JOBS   ?=
+OUT    ?=
 YES     ?=
 ANSWERS ?=
 
@@ -93,6 +99,11 @@ diff reset hint walkthrough page show watch: setup
 
 doctor: setup
 	$(PY) grader.py doctor
+
+.PHONY: class
+class: setup
+	@test -n "$(ROSTER)" || { echo "usage: make class ROSTER=dir [DRILL=l1,l2] [JOBS=2] [OUT=dir]"; exit 2; }
+	$(PY) grader.py class '$(ROSTER)' $(if $(DRILL),--drills $(DRILL)) $(if $(JOBS),--jobs $(JOBS)) $(if $(OUT),--out '$(OUT)')
 
 clean:
 	rm -rf $(VENV) .hypothesis .pytest_cache

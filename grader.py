@@ -35,7 +35,7 @@ from _process import become_subreaper, kill_leftovers, stop_children_on_signals 
 from _render import Printer, cleaned, for_json, make_console  # noqa: E402
 from _tree import default_tree, tree_path  # noqa: E402
 
-COMMANDS = ("show", "doctor", "watch", "bench", "chat", "grade")  # and _commands.LIGHT
+COMMANDS = ("show", "doctor", "watch", "bench", "chat", "grade", "class")  # and _commands.LIGHT
 
 
 def load_machinery(named=()):
@@ -58,8 +58,8 @@ def __getattr__(name):  # front._grading, front.SANDBOX (the tests): the machine
 def command(argv):
     """The commands of tests/_commands.py: `grader.py show l1 [--tree T]` and friends; `grade`
     is the grade (`grader.py grade l1` = `grader.py l1`), `chat` E1's (tests/drills/e1/bench.py)."""
-    if argv[0] == "grade":
-        return main(argv[1:])
+    if argv[0] in ("grade", "class"):  # class: a roster of learners into a gradebook (tests/_class.py)
+        return main(argv[1:]) if argv[0] == "grade" else __import__("_class").main(argv[1:])
     if argv[0] == "chat":
         from drills.e1.bench import chat
         return chat(argv[1:])
