@@ -134,6 +134,9 @@ def test_track_map_states_what_the_code_does():
     assert f"不超过 {_traffic.ROOFLINE}× 是 “at the roofline”，不超过 {_traffic.FAIR}× 是 “fair”，再多是 “wasteful”" in text
     assert "读或写不到最少字节数的 0.95 倍" in text and "min(loads, stores) < 0.95" in (ROOT / "tests" / "_traffic.py").read_text()
     assert ("E1 没有 traffic 行" in text) == all(d.traffic is None for d in DRILLS if d.id == "e1")
+    e1_row = next(line for line in text.splitlines() if line.startswith("| E1 | "))
+    assert ("`make grade` 只计时一次" in e1_row) == all(d.bench_run is not None for d in DRILLS if d.id == "e1"), (
+        "content/README.md's E1 row must say whether the grade times E1 (tests/drills/e1: bench_run)")
     tiers = "，".join(f"{round(100 * share)} % 以上{'是' if i == 0 else ''} “{name}”"
                      for i, (share, name) in enumerate(_bench.TIERS[:-1]))
     assert f"天花板的 {tiers}，再低是 “{_bench.TIERS[-1][1]}”" in text

@@ -99,12 +99,15 @@ SMOLLM2 = dict(layers=30, heads=9, kv_heads=3, head_size=64)
 
 
 def check_chat_numbers(text):
-    """The chat section's arithmetic (§7, 让它开口): the GQA group, and a token's fp32 K/V
-    bytes with 3 KV heads and with 9."""
+    """The chat section's arithmetic (§7, 让它开口): the hidden size is the query heads times
+    their size (not the other way round), the GQA group, and a token's fp32 K/V bytes with 3
+    KV heads and with 9."""
     part = text.split("### 让它开口")[1].split("\n## ")[0]
     m = SMOLLM2
     assert f"{m['heads']} / {m['kv_heads']} = {m['heads'] // m['kv_heads']}" in part
-    assert f"{m['heads'] * m['head_size']} = {m['heads']} × {m['head_size']}" in part
+    assert (f"有 {m['heads']} 个 query head，每个 {m['head_size']} 维，拼起来 {m['heads']} × {m['head_size']} = "
+            f"{m['heads'] * m['head_size']} 正好是 hidden") in part
+    assert f"{m['heads'] * m['head_size']} = {m['heads']} × {m['head_size']}，所以" not in part  # cause and effect
     per_token = 2 * m["layers"] * m["kv_heads"] * m["head_size"] * 4
     stated = re.search(r"2 × 30 层 × 3 × 64 × 4 字节 ≈ (\d+) KB，而不是 (\d+) KB", part)
     assert stated, "§7's chat part no longer states a token's K/V bytes as the check expects"
