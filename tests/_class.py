@@ -86,7 +86,7 @@ def roster(folder, drills, stems_all):
     `notes` are lines that do not stop the grade."""
     learners = []
     for entry in sorted(os.scandir(folder), key=lambda e: e.name):
-        if entry.name.startswith("."):  # .git, .DS_Store: not learners
+        if entry.name == ".git" or entry.name.startswith(".") and not entry.is_dir():  # .DS_Store: no learner
             continue
         one = dict(name=shown(entry.name), slug=normalise(entry.name), folder=entry.path, notes=[], problem=None)
         one["problem"] = _name_problem(entry)
@@ -108,17 +108,15 @@ def roster(folder, drills, stems_all):
 
 
 def _name_problem(entry):
-    name = entry.name
-    if not name.isprintable():
-        return "its name holds a newline or another control character: rename the folder"
-    if name.startswith("-"):
-        return "its name starts with '-' and would read as an option: rename the folder"
-    if ".." in name:
-        return "its name holds '..': rename the folder"
-    if not normalise(name):
-        return "its name has no letter or digit: rename the folder"
-    if normalise(name) in RESERVED:
-        return f"its name is that of the class's own output {normalise(name)!r}: rename the folder"
+    name, slug = entry.name, normalise(entry.name)
+    bad = next((why for wrong, why in ((not name.isprintable(), "its name holds a newline or another control character"),
+                                       (name.startswith("-"), "its name starts with '-' and would read as an option"),
+                                       (name.startswith("."), "a hidden folder (its name starts with '.')"),
+                                       (".." in name, "its name holds '..'"), (not slug, "its name has no letter or digit"),
+                                       (slug in RESERVED, f"its name is that of the class's own output {slug!r}"))
+                if wrong), None)
+    if bad:
+        return bad + ": rename the folder"
     if entry.is_symlink():
         return "a link, not a folder: copy the learner's folder into the roster"
     if not entry.is_dir():
@@ -187,8 +185,10 @@ class ClassRun:
         self.lock, self.stopping = threading.Lock(), threading.Event()
         self.rows, self.done, self.progress, self.task, self.unbenched = {}, {}, None, None, {}
         self.book = Book(drills, args.points, args.partial)
-        state = self.out / "state.json"
-        self.state = json.loads(state.read_text()) if state.is_file() else {}
+        try:  # what the last run graded (a state that does not read: everyone is graded again)
+            self.state = json.loads((self.out / "state.json").read_text())
+        except (OSError, ValueError):
+            self.state = {}
         self.work = tempfile.mkdtemp(prefix="drills-class-")  # the private copies, removed at the end
         os.chmod(self.work, 0o711)  # a worker that drops its uid can reach its own copy, list none
 

@@ -98,7 +98,7 @@ def feedback(name, tree, grade):
     show(console, grade)
     text = console.file.getvalue()
     fence = "`" * max(3, 1 + max((len(m) for m in re.findall(r"`+", text)), default=0))
-    return f"# {name}\n\nGraded from `{clean_text(tree)}`.\n\n{fence}text\n{text}{fence}\n"
+    return f"# {name}\n\nGraded from `{clean_text(tree).replace('`', chr(39))}`.\n\n{fence}text\n{text}{fence}\n"
 
 
 def drill_text(grade, s):

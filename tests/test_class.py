@@ -9,6 +9,7 @@ import json
 import keyword
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -23,6 +24,7 @@ import _sandbox
 import _similarity
 from _gradebook import Book, feedback
 from _manifest import DRILLS, drill
+from _render import make_console
 from _tree import ROOT
 
 pytestmark = pytest.mark.meta
@@ -92,6 +94,7 @@ def test_each_bad_roster_entry_gets_one_line_and_the_rest_is_graded(tmp_path, mo
     spaced = learner(roster, "Ann Lee")
     (spaced / "helper.py").write_text("x = 1\n")
     learner(roster, "locked")
+    learner(roster, ".hidden"), (roster / ".git").mkdir(), (roster / ".DS_Store").write_text("")
     real = os.listdir
     monkeypatch.setattr(_class.os, "listdir", lambda p: (_ for _ in ()).throw(PermissionError(13, "Permission denied"))
                         if str(p).endswith("locked") else real(p))
@@ -107,6 +110,7 @@ def test_each_bad_roster_entry_gets_one_line_and_the_rest_is_graded(tmp_path, mo
     assert "a file, not a folder" in problems["notes.txt"]
     assert "a link" in problems["link"]
     assert problems["locked"] == "unreadable: Permission denied"
+    assert "a hidden folder" in problems[".hidden"] and ".git" not in problems and ".DS_Store" not in problems
     assert problems["Ann Lee"] is None and found["Ann Lee"]["slug"] == "ann-lee"
     assert "extra files, not graded: helper.py" in "; ".join(found["Ann Lee"]["notes"])
     assert all("\n" not in (p or "") for p in problems.values())
@@ -126,13 +130,13 @@ def test_the_key_changes_with_the_graded_files_the_drills_and_the_machinery():
 def test_a_class_run_writes_every_output_keeps_learners_apart_and_a_second_run_keeps_them(tmp_path, klass):
     """Amy and Bob have the untouched stub; Eve's module, imported by its worker, tries to read
     Amy's file in the roster, Amy's private copy beside its own, the roster and the outputs
-    (written before Eve's grade: one job), and its error says what it could read."""
+    (amy, a stub, is written while Eve's grade starts), and its error says what it could read."""
     roster, out = tmp_path / "roster", tmp_path / "out"
     learner(roster, "amy"), learner(roster, "bob", clone=True), (roster / "empty").mkdir()
     learner(roster, "-x")
     learner(roster, "eve", PROBE.format(amy=str(roster / "amy" / FILE), file=FILE, roster=str(roster), out=str(out),
                                         book=str(out / "gradebook.csv")))
-    run = klass(roster, out, "--jobs", "1", "--points", "l1=25")
+    run = klass(roster, out, "--jobs", "2", "--points", "l1=25")
     assert run.returncode == 0, run.stderr
     eve = json.loads((out / "eve.json").read_text())["drills"][0]
     if not _sandbox.missing():  # the error, as the grade reports a module that does not import
@@ -349,3 +353,55 @@ def test_every_command_of_the_workflow_is_one_the_readme_documents():
     commands += [s["with"]["command"].replace(s["id"], "l1") for s in steps if "command" in s.get("with", {})]
     for command in commands:
         assert command.strip() in readme, f"the README does not document {command!r}"
+
+
+def test_on_a_gpu_each_passing_drill_is_benched_after_the_tests_then_kept(tmp_path, monkeypatch):
+    """The bench phase, with the bench processes stood in for (no GPU here): one at a time,
+    the ceiling once, the learner's outputs written again, and the learner kept only then."""
+    calls = []
+
+    class Bench:
+        def __init__(self, drill, tree):
+            calls.append(("start", drill.id, os.path.basename(tree)))
+
+        def result(self, ceiling, timeout):
+            calls.append(("time", ceiling))
+            return dict(cases=[])
+
+    class Ceiling:
+        def gbps(self, timeout):
+            return 4000.0
+
+        def cancel(self):
+            calls.append("ceiling ended")
+    monkeypatch.setitem(sys.modules, "_bench", SimpleNamespace(Bench=Bench, Ceiling=Ceiling))
+    monkeypatch.setattr(_class._env, "INTERPRET", False)
+    args = SimpleNamespace(out=str(tmp_path), timeout=60, test_timeout=None, no_bench=False, points={}, partial=False,
+                           jobs=1, roster=str(tmp_path), learner_timeout=None)
+    one = dict(name="amy", slug="amy", tree="/r/amy", files={}, notes=[], missing=set(), problem=None)
+    run = _class.ClassRun(args, [L1], make_console(), [one])
+    try:
+        run.record(0, one, "key", "graded", grade_of(summary("passed", 10, 10)), None, 3.0)
+        assert "amy" not in run.state  # stopped before its bench, amy would be graded again
+        run.bench()
+    finally:
+        shutil.rmtree(run.work)
+    assert calls == [("start", "l1", "tree"), ("time", 4000.0), "ceiling ended"]
+    saved = json.loads((tmp_path / "amy.json").read_text())
+    assert saved["ceiling_gbps"] == 4000.0 and "bench_note" not in saved and saved["drills"][0]["bench"] == {"cases": []}
+    assert run.state["amy"]["key"] == "key"
+
+
+def test_make_class_passes_the_roster_and_its_options(tmp_path):
+    venv = tmp_path / "venv"
+    (venv / "bin").mkdir(parents=True)
+    (venv / "bin/python").write_text('#!/bin/sh\necho "$@"\n')
+    (venv / "bin/python").chmod(0o755)
+    (venv / ".ready").touch()
+    os.utime(venv / ".ready", (2 ** 31, 2 ** 31))  # newer than pyproject.toml: no set-up runs
+    make = ["make", "-s", "class", f"VENV={venv}"]
+    bare = subprocess.run(make, cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert bare.returncode == 2 and "usage: make class ROSTER=dir" in bare.stdout
+    full = subprocess.run(make + ["ROSTER=/r/a b", "DRILL=l1,l2", "JOBS=2", "OUT=/o"], cwd=ROOT, capture_output=True,
+                          text=True, timeout=60)
+    assert full.stdout.strip() == "grader.py class /r/a b --drills l1,l2 --jobs 2 --out /o"
