@@ -156,9 +156,10 @@ class PrefixCachingBlockManager:
             self._ref[b] += 1
         self._blocks[seq_id] = hits + [self._take() for _ in range(need)]
         self._tokens[seq_id], self._hashes[seq_id], self._num_cached[seq_id] = list(token_ids), hashes, len(hits)
+        reused = len(hits) * bs
         self._stats["queried_tokens"] += n
-        self._stats["reused_tokens"] += len(hits) * bs
-        return len(hits) * bs
+        self._stats["reused_tokens"] += reused
+        return reused
 
     def cache_full_blocks(self, seq_id, num_tokens):
         """The first num_tokens tokens of seq_id have (or get, this step) their K/V: cache
