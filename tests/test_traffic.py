@@ -201,15 +201,14 @@ def _graded(check, module, case):
     return "passed", [], ""
 
 
-@pytest.mark.parametrize("edits", [L1_PADDING_READ, L1.pitfalls["padding_written"].edits],
-                         ids=["reads_padding", "reads_and_writes_padding"])
-def test_l1_a_count_rewriting_kernel_that_reads_padding_rows_gains_no_pass(tmp_path, edits):
-    """Issue 47: a kernel that reads the padding rows, as it is and with its file rewriting
-    the worker's load counts. The read-side test passes or fails on the values alone, so
-    the same for both (a right write that reads them passes; one that writes them too
-    fails); the counts only explain (the honest file's failure names padding_written from
-    them, its status said) and advise (the traffic report). A count changes no verdict, so
-    rewriting one gains nothing."""
+def test_l1_a_count_rewriting_kernel_that_reads_padding_rows_gains_no_pass(tmp_path):
+    """Issue 47: two kernels that read the padding rows, one that writes right and one that
+    writes them too (padding_written), each as it is and with its file rewriting the
+    worker's load counts. The read-side test passes or fails on the values alone, so the
+    same with the rewrite as without (the right write passes, the other fails); the counts
+    only explain (the honest failure names padding_written from them, its status said) and
+    advise (the honest reader's traffic report). A count changes no verdict, so rewriting
+    one gains nothing."""
     from _traffic import COUNTS_WORD
     from _worker import TreeModule, Worker
     from drills.l1 import check_padding_not_read, random_kv_write_case
@@ -217,23 +216,25 @@ def test_l1_a_count_rewriting_kernel_that_reads_padding_rows_gains_no_pass(tmp_p
     def case():
         return random_kv_write_case(context_lens=[2, 9], new_lens=[3, 2], padding=[0, 3, 6], block_size=4,
                                     num_heads=2, head_size=8)
-    honest = _planted(L1, edits, tmp_path / "honest")
-    folder = _wrong.plant_edits(L1, edits, tmp_path / "forger")
-    with open(folder / f"{L1.stem}.py", "a") as f:
-        f.write(COUNTS_REWRITTEN)
-    worker = Worker(readable=[folder])  # its own: the rewrite stays in the process it was made in
+    kernels = {"reads": L1_PADDING_READ, "writes": L1.pitfalls["padding_written"].edits}
+    forged = {}
+    for name, edits in kernels.items():
+        forged[name] = _wrong.plant_edits(L1, edits, tmp_path / f"forged-{name}")
+        with open(forged[name] / f"{L1.stem}.py", "a") as f:
+            f.write(COUNTS_REWRITTEN)
+    worker = Worker(readable=forged.values())  # its own: the rewrite stays in the process it was made in
     try:
-        forger = TreeModule(folder, L1.stem, worker)
-        verdicts = [_graded(check_padding_not_read, module, case()) for module in (honest, forger)]
-        reports = [_said(L1.traffic(module)) for module in (honest, forger)]
+        for name, edits in kernels.items():
+            honest, forger = _planted(L1, edits, tmp_path / f"honest-{name}"), TreeModule(forged[name], L1.stem, worker)
+            verdicts = [_graded(check_padding_not_read, module, case()) for module in (honest, forger)]
+            assert [v[0] for v in verdicts] == ["failed" if name == "writes" else "passed"] * 2, verdicts
+            if name == "reads":  # the counts differ: advice only
+                assert "padding" in _said(L1.traffic(honest)) and "padding" not in _said(L1.traffic(forger))
+            else:  # the honest counts explain the failure too, naming the pitfall, their status said
+                assert "padding_written" in verdicts[0][1] and COUNTS_WORD in verdicts[0][2], verdicts[0]
+                assert COUNTS_WORD not in verdicts[1][2]  # the forger's counts show no read: nothing to add
     finally:
         worker.stop()
-    writes = edits is not L1_PADDING_READ
-    assert [v[0] for v in verdicts] == ["failed" if writes else "passed"] * 2, verdicts
-    assert "padding" in reports[0] and "padding" not in reports[1]  # the counts differ: advice only
-    if writes:  # the honest counts explain the failure too, naming the pitfall, their status said
-        assert "padding_written" in verdicts[0][1] and COUNTS_WORD in verdicts[0][2], verdicts[0]
-        assert COUNTS_WORD not in verdicts[1][2]  # the forger's counts show no read: nothing to add
 
 
 def test_values_decide_and_counts_only_explain():
