@@ -512,7 +512,7 @@ def _caps_left():
                 if k != "CapInh" and int(v, 16)}
 
 
-def drop_root(paths, scratch, user):
+def drop_root(paths, scratch, user, trees=()):
     """Where the grade runs as root: this process (one thread) leaves root for `user`
     (uid, gid) with no capability and no supplementary group. First, in a mount and a
     network namespace of its own: the `paths` it must read made reachable by that user
@@ -522,6 +522,13 @@ def drop_root(paths, scratch, user):
     dumpable again (else its /proc files stay root's and CUDA cannot name its threads).
     Returns a few words for describe()'s line; raises OSError where a step failed."""
     uid, gid = user
+    for tree in trees:  # a folder on the way can be covered; the tree's own mode is the learner's
+        info = os.stat(tree)
+        shift = 6 if info.st_uid == uid else 3 if info.st_gid == gid else 0
+        if (info.st_mode >> shift) & 0o5 != 0o5:
+            raise OSError(errno.EACCES, f"{tree} is not readable by others (mode {info.st_mode & 0o777:o}), and the "
+                                        f"learner's code runs as uid {uid}, not root: chmod o+rx it (and its "
+                                        f"files o+r), or grade as its owner")
     os.umask(0o022)
     namespaces = _libc.unshare(_CLONE_NEWNS | _CLONE_NEWNET) == 0
     covered = []
@@ -574,7 +581,7 @@ def confine(scratch, readable=(), writable=()):
     rules = _rules(str(scratch), readable, writable, version)
     # Root is left first (the rules' paths made reachable for the user), Landlock and seccomp
     # then bind the unprivileged process.
-    dropped = drop_root([p for p, _ in rules], str(scratch), user) if user is not None else None
+    dropped = drop_root([p for p, _ in rules], str(scratch), user, readable) if user is not None else None
     if version >= 1:
         threads = len(os.listdir(f"/proc/{os.getpid()}/task"))
         _landlock(rules, version)

@@ -27,7 +27,9 @@ from _tree import ROOT
 pytestmark = [pytest.mark.meta, pytest.mark.skipif(not _sandbox.abi(), reason="no Landlock on this kernel")]
 
 L1 = find_drill("l1")
-SECRETS = ("drills-env-secret-5f1c", "drills-file-secret-9a7e")  # what attack 8 looks for
+SECRETS = ("drills-env-secret-5f1c", "drills-file-secret-9a7e",  # what attack 8 looks for
+           "drills-pip-token-3c6d")                                 # attack 22: an index token in the venv's pip.conf
+MARKER = f"drills-attack-{os.getpid()}"  # attack 20's /dev/shm name, 23's host socket
 
 # Each attack runs when the learner's module is imported in the worker, and prints what
 # stopped it, so the grade's "your code printed" shows the sandbox at work. __MARKERS__
@@ -121,12 +123,49 @@ def environ_of_others():  # 11: another process's environment (the grader's secr
 def daemon_holding_pipes():  # 12: a process that outlives its worker, holding whatever it inherited
     subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"], start_new_session=True)
 
+def device_node():  # 17: a block device of the disk in the scratch folder, opened raw past every rule
+    import stat
+    disk = os.stat("/").st_dev
+    os.mknod(os.path.join(os.getcwd(), "disk"), 0o600 | stat.S_IFBLK, disk)
+    open(os.path.join(os.getcwd(), "disk"), "rb").read(512)
+
+def immutable_file():  # 18: chattr +i on a scratch file, so that the scratch folder outlives the grade
+    import fcntl, struct
+    open("locked", "w").close()
+    fd = os.open("locked", os.O_RDONLY)
+    fcntl.ioctl(fd, 0x40086602, struct.pack("l", 0x10))  # FS_IOC_SETFLAGS, FS_IMMUTABLE_FL
+
+def realtime():  # 19: SCHED_FIFO 99, to starve the grader on few cores
+    os.sched_setscheduler(0, os.SCHED_FIFO, os.sched_param(99))
+
+def shm_left():  # 20: a /dev/shm name that outlives the grade: memory never given back, a mailbox
+    open("/dev/shm/" + __MARKER__, "w").write("for the next learner")
+
+def fifos():  # 21: FIFOs where the test process once read a call's output by name, and in TMPDIR
+    for name in ("call-stdout", "call-stderr", "waiting"):
+        if not os.path.exists(name):
+            os.mkfifo(name)
+
+def pip_conf():  # 22: the venv's configuration (an index token), printed
+    print("pip.conf:", open(os.path.join(sys.prefix, "pip.conf")).read())
+
+def host_sockets():  # 23: the host's sockets, from /proc/self/net
+    found = [line for line in open("/proc/self/net/unix") if __MARKER__ in line]
+    print("host sockets:", found)
+    if not found:
+        raise LookupError("no socket of the host's is listed")
+
+print(f"running as uid={os.getuid()}")  # 24: root, where the grade is
+
 print("\x1b[2J\x1b[H\x1b[1;32mdrills  passed 35/35\x1b[0m\x1b]0;title\x07\x9b31m")  # 13: repaint the screen
 
 for _name, _action in (("1 conftest", conftest_then_kill), ("2 pyc", stale_pyc), ("3 sitecustomize", sitecustomize),
                        ("5 key", read_the_key), ("6 detached", detached_rewriter), ("7 solutions", read_solutions),
                        ("8 secrets", secrets_out), ("9 unix socket", unix_socket), ("10 limits", limits_on_others),
-                       ("11 environ", environ_of_others), ("12 daemon", daemon_holding_pipes)):
+                       ("11 environ", environ_of_others), ("12 daemon", daemon_holding_pipes),
+                       ("17 device node", device_node), ("18 immutable", immutable_file), ("19 realtime", realtime),
+                       ("20 shm", shm_left), ("21 fifos", fifos), ("22 pip.conf", pip_conf),
+                       ("23 host sockets", host_sockets)):
     _attempt(_name, _action)
 
 try:  # 14: the counters live here: send no traffic counts, so the read-counting test has nothing to count
@@ -177,6 +216,8 @@ def forged(tmp_path_factory):
     subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True)
     site_packages = Path(sysconfig.get_path("purelib", vars={"base": str(venv), "platbase": str(venv)}))
     (site_packages / "drills-real-venv.pth").write_text(sysconfig.get_path("purelib") + "\n")
+    # What a real venv may hold beside it (never the real venv's: this one is thrown away).
+    (venv / "pip.conf").write_text(f"[global]\nindex-url = https://user:{SECRETS[2]}@pypi.example/simple\n")
     learner = tmp / "learner"
     _wrong.plant(L1, "padding_written", learner)  # a wrong kernel: it must not pass
     module = learner / f"{L1.stem}.py"
@@ -193,17 +234,28 @@ def forged(tmp_path_factory):
     agent.setblocking(False)
     attacks = ATTACKS
     for name, value in (("__ROOT__", str(repo)), ("__MARKERS__", str(markers)), ("__SECRET_FILE__", str(secret_file)),
-                        ("__UNIX_SOCKET__", str(tmp / "agent.sock"))):
+                        ("__UNIX_SOCKET__", str(tmp / "agent.sock")), ("__MARKER__", MARKER)):
         attacks = attacks.replace(name, repr(value))
     module.write_text(module.read_text() + attacks.replace("__UDP_PORT__", str(udp.getsockname()[1])))
     before = _snapshot(repo), _snapshot(venv)
     out_json = markers / "grade.json"
+    # The grade's temporary files go to a folder of this test's: what is left there after it is a leftover.
+    grade_tmp = tmp / "grade-tmp"
+    grade_tmp.mkdir()
     env = {"PYTHONDONTWRITEBYTECODE": "1", "COLUMNS": "200",  # no bytecode of ours: any .pyc is the attack's
-           "DRILLS_ATTACK_SECRET": SECRETS[0]}
+           "DRILLS_ATTACK_SECRET": SECRETS[0], "TMPDIR": str(grade_tmp)}
+    host = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)  # attack 23 looks for it
+    host.bind("\0" + MARKER)
+    host.listen(1)
     started = time.monotonic()
-    code, out, err = run_process([str(venv / "bin" / "python"), str(repo / "grader.py"), "l1", "--tree", str(learner),
-                                  "--json", str(out_json)], 600, env)
+    try:
+        code, out, err = run_process([str(venv / "bin" / "python"), str(repo / "grader.py"), "l1", "--tree",
+                                      str(learner), "--json", str(out_json)], 600, env)
+    finally:
+        host.close()
     seconds = time.monotonic() - started
+    left_in_tmp = sorted(os.listdir(grade_tmp))
+    shm_left = os.path.exists(f"/dev/shm/{MARKER}")
     first = out_json.read_text()
     time.sleep(6)  # the detached rewriter's moment has passed
     received = []
@@ -219,7 +271,8 @@ def forged(tmp_path_factory):
         reached_agent = False
     return dict(code=code, out=out, err=err, grade=json.loads(first), json_text=first, seconds=seconds,
                 json_after=json.loads(out_json.read_text()), udp=b"".join(received), reached_agent=reached_agent,
-                before=before, after=(_snapshot(repo), _snapshot(venv)), markers=markers)
+                before=before, after=(_snapshot(repo), _snapshot(venv)), markers=markers, left_in_tmp=left_in_tmp,
+                shm_left=shm_left)
 
 
 def test_the_wrong_kernel_still_fails(forged):
@@ -261,6 +314,25 @@ def test_a_detached_process_does_not_hold_the_grade(forged):
     """Attack 12: a process of the learner's that outlives its worker neither holds the grader
     past its limits nor stops it writing --json."""
     assert forged["seconds"] < 300 and forged["grade"]["drills"]
+
+
+def test_what_root_could_do_is_refused_and_the_worker_is_not_root(forged):
+    """Attacks 17-19, 22-24 (issue 47): no device node, no immutable file, no real-time policy;
+    the venv's pip.conf and the host's sockets are not read; as root, the worker is not."""
+    printed = forged["out"]
+    for attack in ("17 device node", "18 immutable", "19 realtime", "22 pip.conf", "23 host sockets"):
+        assert f"attack {attack}: done" not in printed, attack
+    if os.geteuid() == 0:
+        assert "running as uid=0" not in printed and " + not root" in forged["grade"]["sandbox"]
+
+
+def test_nothing_is_left_behind(forged):
+    """Attacks 18, 20, 21 (issue 47): after the grade, nothing of it is left in its temporary
+    folder (the drill's scratch root, with its FIFOs and the file made immutable, removed by the
+    grader) and the /dev/shm name the worker made is gone; no removal failed."""
+    left = [name for name in forged["left_in_tmp"] if name != "drills-big-memory.lock"]  # tests/_paged.py's, kept
+    assert left == [] and not forged["shm_left"], (left, forged["shm_left"])
+    assert forged["grade"]["drills"][0]["left_behind"] == []
 
 
 def test_a_skip_the_learners_run_caused_is_no_pass(forged):

@@ -172,7 +172,9 @@ def test_a_grading_run_starts_its_worker_before_torch_and_the_fixture_takes_it(t
     assert done.stdout.split() == ["before", "torch", "planned"], done.stderr[-2000:]
 
     monkeypatch.setenv(_process.WORKER_PLAN, plan)
-    for trees, taken in (([tree], True), ([tree, tmp_path], False)):
+    other = tmp_path / "other"  # not tmp_path itself: pytest makes it 0700, which a worker that left root cannot read
+    other.mkdir()
+    for trees, taken in (([tree], True), ([tree, other], False)):
         worker = Worker()
         worker.planned = _process.start_planned_worker()
         assert _process.WORKER_PLAN not in os.environ  # taken out: nothing it starts inherits it
