@@ -155,3 +155,23 @@ def test_a_crash_in_a_marked_test_keeps_the_name_the_other_failures_support():
     assert not l7.pitfalls[pitfall].crashes
     said = _grading._evidence(l7, [crash])
     assert said == [], f"a crash alone named a pitfall that is not a crashing one: {said}"
+
+
+def test_no_hypothesis_deadline_where_learner_code_runs():
+    """A hypothesis deadline fails an example that runs longer than it, so the machine's
+    speed would set the verdict: every profile has none, and no test sets one."""
+    import ast
+
+    from hypothesis import settings
+    for name in ("cpu", "gpu", "quick"):
+        assert settings.get_profile(name).deadline is None, f"the {name} profile has a deadline"
+    assert settings.default.deadline is None, f"the loaded profile has a deadline: {settings.default.deadline}"
+    for path in sorted((ROOT / "tests").rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            called = getattr(node, "func", None)
+            if getattr(called, "id", getattr(called, "attr", None)) not in ("settings", "register_profile"):
+                continue
+            for keyword in node.keywords:
+                assert not (keyword.arg == "deadline" and not (isinstance(keyword.value, ast.Constant)
+                                                                and keyword.value.value is None)), \
+                    f"{path.relative_to(ROOT)}:{node.lineno} sets a hypothesis deadline"
