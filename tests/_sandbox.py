@@ -3,11 +3,14 @@ imported torch, Triton, numpy and its own machinery, and before it imports the
 learner's module. Names no drill; imports only the standard library (and pyseccomp,
 lazily). Both are inherited by every process the worker starts and cannot be left.
 
-How the contract's "Confined before the import" is met:
+How the contract's "Confined before the import" and "Not root" are met:
 - Reads: Landlock handles reading, listing and executing as well as every write, so
-  the worker reads only what a rule names (`_rules`): the Python install and the venv
-  (the prefixes, site-packages, sys.path, the folders of the libraries already loaded;
-  symlinks resolved, since a rule binds the target), the system's library and toolchain
+  the worker reads only what a rule names (`_rules`): the interpreter's library folders
+  (sysconfig's stdlib, platstdlib and include: Triton builds against Python.h),
+  site-packages, sys.path, the folders of the libraries already loaded, the interpreter
+  itself (each link on the way to it) and the venv's pyvenv.cfg (a child interpreter
+  reads it); never a prefix's own folder, which holds a venv's pip.conf (an index token)
+  and the install's scripts; symlinks resolved, since a rule binds the target), the system's library and toolchain
   folders and the C compiler's own (Triton on a GPU builds a launcher with it and runs
   ptxas), a few /etc files the C library reads, /sys, its own /proc/<pid> (resolved when
   the rule is made: never another process's environ or maps), /proc/cpuinfo, meminfo
@@ -16,9 +19,10 @@ How the contract's "Confined before the import" is met:
   project root (solutions/, tests/), other learners' trees: a candidate folder inside
   the project (the venv aside) or holding the home folder, the project, /tmp or a named
   folder is left out.
-- Writes: only the scratch folder and the `writable` folders, /dev/shm (its files, not
-  its listing), the GPU's device files (with ioctl), and its own /proc/<pid>/task (CUDA
-  names its threads there: without it CUDA's initialisation fails with error 304).
+- Writes: only the scratch folder and the `writable` folders (every right but making a
+  block or character device), /dev/shm (its files, not its listing), the GPU's device
+  files (with ioctl), and its own /proc/<pid>/task (CUDA names its threads there:
+  without it CUDA's initialisation fails with error 304).
 - Landlock's scopes: ptrace of any process outside the domain (ABI 1); TCP bind and
   connect refused (ABI 4); signals and abstract Unix sockets scoped (ABI 6). An older
   kernel is handed only the fields and rights it knows.
@@ -31,8 +35,30 @@ How the contract's "Confined before the import" is met:
   process, who = 0); ptrace, process_vm_readv/writev, process_madvise, pidfd_getfd,
   kcmp; io_uring (its operations pass by the filter); the kernel keyrings (secrets); and
   the calls only root may make (modules, reboot, mount, bpf, perf_event_open, fanotify,
-  open_by_handle_at, the clock...), since the lent GPU machines grade as root. Loaded
-  on every thread (TSYNC), after no_new_privs. Foreign-ABI calls kill the thread.
+  open_by_handle_at, the clock...), since the lent GPU machines grade as root. Whatever
+  the uid (`_MASKED`): mknod/mknodat of a block or character device (one of the system
+  disk, opened raw, passes every Landlock rule); ioctl FS_IOC_SETFLAGS (and its 32-bit
+  form) and FS_IOC_FSSETXATTR (chattr: an immutable file outlives the grade's clean-up;
+  the command's low 32 bits compared, as the kernel reads them); sched_setscheduler with
+  SCHED_FIFO, SCHED_RR or SCHED_DEADLINE (a busy loop at priority 99 starves the grader
+  on few cores) and sched_setattr whole (its policy is in memory); unshare, setns, clone
+  with a namespace flag, and clone3 answered ENOSYS (its flags are in memory; the C
+  library falls back to clone). Loaded on every thread (TSYNC), after no_new_privs.
+  Foreign-ABI calls kill the thread.
+- Not root (`drop_root`, where the process runs as root: the lent GPU machines grade
+  so): before Landlock, in mount and network namespaces of its own, every path a rule
+  names is made reachable by the unprivileged uid (`_expose`: a folder on the way it may
+  not pass, e.g. root's 0700 home holding a pyenv Python, is covered by an empty tmpfs in
+  which only the needed paths are bound again, at the same place); the scratch folder is
+  given to the uid; the capability bounding set is dropped, supplementary groups cleared,
+  gid and uid set (which clears the other capability sets), the process made dumpable
+  again (its /proc files are then its own: CUDA writes its threads' names there) and its
+  parent-death signal asked again (a change of credentials clears it). The uid is the
+  grade's DRILLS_WORKER_UID (one per drill: tests/_grading.py), else nobody's; the gid the
+  same number, or the GPU device files' group where only it may open them. Its
+  /proc/<pid>/net then lists an empty network namespace. The learner's tree must be
+  readable by others (its own mode is not changed); else the worker refuses to start,
+  saying so. Where the namespaces cannot be had, it leaves root all the same and says so.
 - Why pyseccomp: a small ctypes binding of the system's libseccomp.so.2, which builds
   the BPF for the architecture, rather than hand-written BPF. Where pyseccomp or
   libseccomp is missing, `missing()` and `describe()` say so and Landlock stands alone.
@@ -42,7 +68,11 @@ What remains unguarded: threads made before `confine` stay outside Landlock belo
 (else OpenBLAS and OpenMP start one a core), and `confine` says how many it could not
 cover; signals below ABI 6; sockets, UDP and pathname Unix sockets where seccomp is
 missing; /dev/shm files whose names are known; /sys and the system's folders, read; CPU
-time and memory (the caller's limits). Point TMPDIR, HOME, TRITON_CACHE_DIR and
+time and memory (the caller's limits). Run as a user (not root): the worker keeps that
+uid, and /proc/<pid>/net (readable under the /proc/<pid> rule, which also covers
+/proc/<pid>/task/<tid>/net for threads not yet made) lists the host's sockets: Landlock
+cannot leave out part of a folder it allows, and a network namespace needs root (an
+unprivileged user namespace first: not done). Point TMPDIR, HOME, TRITON_CACHE_DIR and
 CUDA_CACHE_PATH at the scratch folder: the only place the worker can create files.
 """
 import ctypes
