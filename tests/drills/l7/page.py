@@ -3,11 +3,12 @@ in the order the grade runs them). The page's own numbers live here, beside the 
 checks them: the hand-worked absorption example, DeepSeek's shapes and scale, the H200's
 roofline, the self-tests."""
 import math
+import re
 
 import torch
 
 import _env
-from _pages import section, self_test, walkthrough
+from _pages import hints, section, self_test, walkthrough
 from _traffic import check_page_line
 from _tree import ROOT, load_drill
 
@@ -286,7 +287,7 @@ def check_kernel_shape(text):
 
 def check_split_rule(text):
     """§7's reference part (in the walkthrough): the reference's launch (its own constants and _launch, asked as if
-    on a GPU) and default_num_splits's rule worked for the bench shapes on 132 SMs."""
+    on a GPU) and default_num_splits's rule worked for the bench shapes on 132 SMs; §13's table agrees."""
     sol = load_drill("solutions", "l7_mla_decode")
     gpu = torch.device("cuda")  # only its type is read: no GPU needed
     assert sol._launch(16, torch.bfloat16, gpu) == (16, 64, 4, 3, 2)
@@ -306,63 +307,35 @@ def check_split_rule(text):
         _lines(sec, f"{per_sm} × 132 ÷ {tiles} = {shown}，取")
     # 16 heads is where the reference changes launch, not where the bottleneck changes (§4's roofline).
     low, high = (tflops / COPY_TBPS / intensity(1) for tflops in (MEASURED_TFLOPS, DATASHEET_TFLOPS))
-    _lines(sec, "16 只是参考解换 launch 的地方，不是带宽和算力的分界",
-           f"H ≈ {round(low)}（按实测的矩阵乘速度）到 {round(high)}（按数据表）", "自测 2 的 H = 32 仍受带宽限制")
-    assert intensity(32) < MEASURED_TFLOPS / COPY_TBPS
-    for source in ("l7.md", "l7-hints.md", "l7-walkthrough.md"):
-        assert "受 tensor core 限制" not in (ROOT / "content" / source).read_text(), f"content/{source}"
-
-
-def check_source_map_table(text):
-    """§13's table: this drill's tile is 16 or 64 heads and, on a GPU, 64 tokens a step for
-    16-bit queries and 16 for fp32 (the reference's _launch), not the sweep's first 32."""
-    sol = load_drill("solutions", "l7_mla_decode")
-    gpu = torch.device("cuda")  # only its type is read
-    sixteen = {sol._launch(h, dtype, gpu)[1] for h in (16, 128) for dtype in (torch.bfloat16, torch.float16)}
-    fp32 = {sol._launch(h, torch.float32, gpu)[1] for h in (16, 128)}
-    heads = sorted({sol._launch(h, torch.bfloat16, gpu)[0] for h in (16, 128)})
-    row = next(line for line in section(text, 13).splitlines() if line.startswith("| 这道题 |"))
-    assert row.startswith(f"| 这道题 | {heads[0]} 或 {heads[1]}（§7） | "
-                          f"GPU 上 16 位的 query {sixteen.pop()}，fp32 {fp32.pop()}（§7 的参考解部分） |") \
-        and not sixteen and not fp32, row
+    _lines(sec, "16 只是参考解换 launch 的地方，不是带宽和算力的分界", "自测 2 的 H = 32 仍受带宽限制",
+           f"H ≈ {round(low)}（按实测的矩阵乘速度）到 {round(high)}（按数据表）")
+    assert intensity(32) < MEASURED_TFLOPS / COPY_TBPS and "受 tensor core 限制" not in sec
+    _lines(section(text, 13), "| 这道题 | 16 或 64（§7） | GPU 上 16 位的 query 64，fp32 16（§7 的参考解部分） |")
 
 
 def check_vllm_comparison(text):
-    """§1: the reference against vLLM's Triton MLA kernel at B = 64, H = 16 and 128 (BENCHMARKS.md's
-    L7 table): its path after PR #33529 at its best split count, its older path (V loaded again),
-    which is the faster, and the reference's lead over the faster one."""
-    rows = {}
-    for line in (ROOT / "BENCHMARKS.md").read_text().splitlines():
-        if line.startswith("| B=64 H=16 S=4096 |") or line.startswith("| B=64 H=128 S=4096 |"):
-            cells = [c.strip() for c in line.strip("|").split("|")]
-            rows[cells[0]] = [float(c.split(" µs")[0]) for c in (cells[1], cells[5], cells[6])]
-    (ours16, best16, old16), (ours128, best128, old128) = rows["B=64 H=16 S=4096"], rows["B=64 H=128 S=4096"]
-    sec = section(text, 1)
-    _lines(sec, f"{ours16} µs", f"{ours128} µs", f"是 {best16} µs 和 {best128} µs",
-           f"反而更快，{old16} µs 和 {old128} µs",
-           f"参考解快 {old16 / ours16:.2f} 倍和 {old128 / ours128:.2f} 倍",
-           f"只和新路径比的 {best16 / ours16:.2f} 倍和 {best128 / ours128:.2f} 倍")
+    """§1 against BENCHMARKS.md (B = 64): vLLM's PR #33529 path, its older (faster) one, our lead over each."""
+    rows = [line.split("|")[2:9] for line in (ROOT / "BENCHMARKS.md").read_text().splitlines()
+            if line.startswith(("| B=64 H=16 S=4096 |", "| B=64 H=128 S=4096 |"))]
+    (ours16, best16, old16), (ours128, best128, old128) = ([float(r[i].split(" µs")[0]) for i in (0, 4, 5)] for r in rows)
     assert old16 < best16 and old128 < best128  # the older path is the faster one
+    _lines(section(text, 1), f"{ours16} µs", f"{ours128} µs", f"是 {best16} µs 和 {best128} µs",
+           f"反而更快，{old16} µs 和 {old128} µs", f"参考解快 {old16 / ours16:.2f} 倍和 {old128 / ours128:.2f} 倍",
+           f"只和新路径比的 {best16 / ours16:.2f} 倍和 {best128 / ours128:.2f} 倍")
 
 
 def check_empty_sequences_differ_from_l4_and_l5(text):
-    """§1: a length-0 sequence is legal here, while L4's and L5's references refuse it on the CPU."""
+    """§1: a length-0 sequence is legal here; L4's and L5's references refuse it on the CPU."""
     _lines(section(text, 1), "`seq_lens[b] = 0`（空序列）合法", "那两题的每个 `seq_len` 至少是 1，0 在 CPU 上报 `ValueError`")
-    for stem in ("l4_split_kv_decode", "l5_fp8_kv_cache"):
-        assert "lo < 1" in (ROOT / "solutions" / f"{stem}.py").read_text(), f"solutions/{stem}.py accepts length 0"
+    assert all("lo < 1" in (ROOT / "solutions" / f"{s}.py").read_text() for s in ("l4_split_kv_decode", "l5_fp8_kv_cache"))
 
 
 def check_row_address_hint(text):
-    """Hint 4 gives the row's address as the block's start plus the row in it, the form that does
-    not fault on a GPU, and names the Triton version the worked example's GPU skip names."""
-    import re
-
-    from _pages import hints
+    """Hint 4: the row address in two terms, and the Triton version the worked example's GPU skip names."""
     hint = hints("l7")[3]
     assert "`block · (block_size · (R + P)) + (pos % block_size) · (R + P)`，分成两项写" in hint
     skip = re.search(r"Triton before (3\.\d+)", (ROOT / "tests" / "test_l7_mla_decode.py").read_text()).group(1)
     assert f"Triton {skip} 以前" in hint and f"Triton {skip} 以前" in walkthrough("l7")
-    assert "Triton 3.9" not in walkthrough("l7")
 
 
 # ---------------------------------------------------------------------------
@@ -470,7 +443,7 @@ def check_self_test_bytes_moved(text):
 
 PAGE_CHECKS = (check_traffic_line, check_bench_bounds, check_bytes_per_token, check_absorption_example,
                check_example_on_the_reference, check_example_mistakes, check_scale, check_value_traffic,
-               check_roofline, check_kernel_shape, check_split_rule, check_source_map_table, check_vllm_comparison,
+               check_roofline, check_kernel_shape, check_split_rule, check_vllm_comparison,
                check_empty_sequences_differ_from_l4_and_l5, check_row_address_hint, check_walkthrough_lines,
                check_self_test_bytes,
                check_self_test_intensity, check_self_test_scale, check_self_test_int32, check_self_test_head_tiles,
