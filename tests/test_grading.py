@@ -325,11 +325,11 @@ def test_integrity_finds_a_new_pth_or_changed_machinery_and_nothing_else(tmp_pat
         change()
         return _integrity.integrity(repo, before, [site])
 
-    assert changed_by(lambda: None)[0] is True
-    assert _integrity.integrity(repo)[0] is True  # the machinery is the committed one
-    # what grading may leave (an ignored cache) is no change; nor is the learner's edit of their
-    # own files (the file a drill grades is watched per drill: see the test below)
-    assert changed_by(lambda: (repo / "__pycache__").mkdir() or (repo / "__pycache__" / "x.pyc").write_text("."))[0]
+    assert changed_by(lambda: None)[0] is True, f"nothing changed, yet: {changed_by(lambda: None)}"
+    assert _integrity.integrity(repo)[0] is True, f"the committed machinery differs: {_integrity.integrity(repo)}"
+    # no change: what grading may leave (an ignored cache), the learner's edits of their own files
+    cache = changed_by(lambda: (repo / "__pycache__").mkdir() or (repo / "__pycache__" / "x.pyc").write_text("."))
+    assert cache[0] is True, f"an ignored cache written during grading was taken for a change: {cache}"
     for change in (lambda: (repo / "mine" / "x.py").write_text("x = 2\n"), lambda: (repo / "mine" / "y.py").touch(),
                    lambda: (repo / "notes.md").write_text("mine\n")):
         ok, said = changed_by(change)

@@ -152,7 +152,7 @@ def test_a_crash_in_a_marked_test_keeps_the_name_the_other_failures_support():
         assert said == [pitfall], f"a crash in a marked test withdrew the name its other tests support: {said}"
     said = _grading._evidence(l7, [*named, silent])
     assert said == [], f"a marked test that ran to its end without naming the pitfall must withdraw it: {said}"
-    assert not l7.pitfalls[pitfall].crashes
+    assert not l7.pitfalls[pitfall].crashes, f"{pitfall} is now a crashing pitfall: this test needs another"
     said = _grading._evidence(l7, [crash])
     assert said == [], f"a crash alone named a pitfall that is not a crashing one: {said}"
 
