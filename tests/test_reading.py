@@ -131,7 +131,8 @@ def test_the_page_renders_with_the_answers_folded(drill_id):
     import _pages
 
     text = (ROOT / "content" / f"{drill_id}.md").read_text()
-    tests = next(body for _, title, body in _pages.numbered_sections(text) if "自测" in title)
+    tests = next((body for _, title, body in _pages.numbered_sections(text) if "自测" in title), None)
+    assert tests is not None, f"content/{drill_id}.md has no self-test section (## N. 自测)"
     folded = tests.count("<details>")
 
     def page(answers):
