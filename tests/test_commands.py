@@ -429,3 +429,27 @@ def test_the_documented_command_forms_answer(here):
         here("chat", "--help")
     assert stop.value.code == 0
 
+
+# --- the L5, L6 and E1 pictures: the page's example, what is wrong marked -----------------
+
+
+@pytest.mark.parametrize("drill,says", [("l5", "every slot right, and nothing else written"), ("l6", "A B C | D E Y")])
+def test_the_l5_l6_e1_pictures_draw_the_reference_with_nothing_marked_wrong(here, drill, says):
+    code, out = here("show", drill, "--tree", "solutions")
+    assert code == 0 and says in out, out
+    assert not [line for line in out.splitlines() if "✗" in line and "wrong" not in line], out  # legends alone
+
+
+@pytest.mark.parametrize("drill,planted,says", [
+    ("l5", "no_saturation", "1 (token, head) rows wrong"),
+    ("l6", "suffix_not_offset", "prefix counted twice (pitfall:suffix_not_offset)"),
+    ("e1", "sample_wrong_row", "every step as the page schedules it")])
+def test_the_l5_l6_e1_pictures_mark_a_planted_mistake(here, tmp_path, monkeypatch, drill, planted, says):
+    import _wrong
+    from _manifest import BY_ID
+
+    monkeypatch.setenv("DRILLS_KERNELS", str(ROOT / "solutions"))  # E1's planted tree holds its engine alone
+    code, out = here("show", drill, "--tree", str(_wrong.plant(BY_ID[drill], planted, tmp_path / "wrong")))
+    assert code == 0 and says in out, out
+    if drill == "e1":  # its steps are the page's; the token sampled from the wrong row is not
+        assert "first differs at new token 0" in out and out.count("✗") == 2, out

@@ -22,6 +22,7 @@ from .cases import (FIXTURE_CHECKS, PRELOAD, TEST_SHAPES, WORKED_EXAMPLE, WRITES
 from .checks import check_generate, explain, run_generate, steps_of
 from .mistakes import PLANTED, SECTION
 from .page import PAGE_CHECKS
+from .picture import picture
 from .reference import simulate, step_tensors
 
 __all__ = ["DRILL", "SECTION", "WORKED_EXAMPLE", "EngineCase", "Recorder", "block_ops", "check_generate",
@@ -41,6 +42,7 @@ DRILL = Drill(
     test_shapes=TEST_SHAPES,
     bench=(),  # one generate() takes seconds: no cases to repeat; the grade times one run of each (bench_run),
     bench_run=bench_rows,  # `cd tests && python -m drills.e1.bench` everything else (BENCHMARKS.md)
+    picture=picture,
     page_checks=PAGE_CHECKS,
     fixture_checks=FIXTURE_CHECKS,
 )

@@ -22,6 +22,7 @@ from .bench import BENCH, bench_work
 from .cases import FIXTURE_CHECKS, TEST_SHAPES
 from .mistakes import PLANTED
 from .page import PAGE_CHECKS
+from .picture import picture
 from .traffic import traffic
 
 # What tests/test_l5_fp8_kv_cache.py imports from drills.l5:
@@ -44,6 +45,7 @@ DRILL = Drill(
     bench=BENCH,
     bench_work=bench_work,
     traffic=traffic,
+    picture=picture,
     page_checks=PAGE_CHECKS,
     fixture_checks=(*FIXTURE_CHECKS, check_the_interpreters_hint_needs_its_evidence),
 )

@@ -14,6 +14,7 @@ from .bench import BENCH, bench_work
 from .cases import FIXTURE_CHECKS, TEST_SHAPES
 from .mistakes import PLANTED
 from .page import PAGE_CHECKS
+from .picture import picture
 from .traffic import traffic
 
 # What tests/test_l6_cascade_attention.py imports from drills.l6:
@@ -34,6 +35,7 @@ DRILL = Drill(
     bench=BENCH,
     bench_work=bench_work,
     traffic=traffic,
+    picture=picture,
     page_checks=PAGE_CHECKS,
     fixture_checks=FIXTURE_CHECKS,
     torch_only=("cascade_prefix_len",),
