@@ -10,6 +10,8 @@ its manifest entry `DRILL`, built from its parts:
   bench.py      the 1 B-parameter serving workload against transformers' generate (the
                 grade's row: bench_rows), and `make chat` (the learner's engine serving
                 SmolLM2, checked against generate)
+  picture.py    make show: the worked example's steps against the page's schedule, and each
+                request's tokens against generate
   page.py       the page checks
 
 There is no traffic part: the engine's bytes are its kernels', which L1 and L3 count.

@@ -10,6 +10,7 @@ that reads it. Everything that knows this drill, in parts:
   mistakes   the pitfalls and other planted mistakes (PLANTED)
   bench      the bench cases and work
   traffic    the traffic case and report, the check that no garbage byte is loaded
+  picture    picture: the worked example's write slot by slot, and a small decode
   page       the page checks
 
 The write is graded bit for bit (the contract fixes the rounding); the decode within

@@ -5,8 +5,8 @@ cases (the shapes, vLLM's [A, B, C, D, E] example, CascadeCase and its builder, 
 test_cascade grid, the strategy, the fixture check), reference (the float64 reference
 split as cascade splits it, the prefix rule, the tolerance), checks (the checks and their
 diagnosis), mistakes (the pitfalls and other planted mistakes, PLANTED), bench (the bench
-work and the crossover grid), traffic (the traffic report and the read-once check), page
-(the page checks).
+work and the crossover grid), traffic (the traffic report and the read-once check), picture
+(the [A, B, C, D, E] example drawn for make show), page (the page checks).
 """
 from _drill import Drill
 
