@@ -332,6 +332,22 @@ def test_l7_without_split_partials_is_right_and_not_told_its_work_ran_elsewhere(
         f"a right kernel that does not split was told: {result['line']} {result['where']}"
 
 
+def test_l7_half_empty_head_tiles_are_right_and_reported(tmp_path):
+    """Half of every head tile left empty: twice the programs, each reading the latent rows.
+    The values are right, so no test fails it (the counts decide none); its traffic line
+    says the rows were read twice."""
+    from drills.l7 import check_decode
+    from drills.l7.mistakes import HEAD_TILE_HALF_EMPTY
+    from drills.l7.traffic import traffic_case
+    l7 = find_drill("l7")
+    module = _planted(l7, HEAD_TILE_HALF_EMPTY, tmp_path)
+    case = traffic_case()
+    check_decode(case, module.mla_decode_attention(*case.args(), **case.kwargs()))
+    result = l7.traffic(module)
+    assert any("latent rows were read up to 2×" in w for w in result["where"]), \
+        f"half-empty head tiles read every latent row twice; the traffic report says {result['where']}"
+
+
 # --- the grade's line --------------------------------------------------------------
 
 

@@ -1,6 +1,5 @@
 """L7's planted mistakes: the page's pitfalls and the other wrong kernels, as edits of
 solutions/l7_mla_decode.py, and PLANTED, what the diagnosis reads."""
-import _env
 from _drill import Mistake, Pitfall, Planted
 
 SECTION = "content/l7.md §10"
@@ -89,15 +88,16 @@ MISTAKES = {
          "    s_max = tl.zeros([BLOCK_H], tl.float32)  # planted: no max subtracted"),
     )),
 }
-if _env.INTERPRET:  # only the interpreter's counted bytes show it
-    # Half of every head tile left empty: twice the programs, each reading the latent rows.
-    MISTAKES["head_tile_half_empty"] = Mistake(shows="head tile", edits=(
-        ("heads = head_tile * BLOCK_H + tl.arange(0, BLOCK_H)\n    c_cols",
-         "heads = head_tile * (BLOCK_H // 2) + tl.arange(0, BLOCK_H)\n    c_cols"),
-        ("head_ok = heads < NUM_HEADS", "head_ok = (heads < NUM_HEADS) & (tl.arange(0, BLOCK_H) < BLOCK_H // 2)"),
-        ("mla_decode_kernel[(triton.cdiv(num_heads, block_h),",
-         "mla_decode_kernel[(triton.cdiv(num_heads, block_h // 2),"),
-    ))
+# Right values, more bytes: half of every head tile left empty, so twice the programs, each
+# reading the latent rows. Only the interpreter's load counts show it, and they decide no
+# test (the worker's word): no test fails it, and the traffic line says the rows were read
+# twice (tests/test_traffic.py plants it).
+HEAD_TILE_HALF_EMPTY = (
+    ("heads = head_tile * BLOCK_H + tl.arange(0, BLOCK_H)\n    c_cols",
+     "heads = head_tile * (BLOCK_H // 2) + tl.arange(0, BLOCK_H)\n    c_cols"),
+    ("head_ok = heads < NUM_HEADS", "head_ok = (heads < NUM_HEADS) & (tl.arange(0, BLOCK_H) < BLOCK_H // 2)"),
+    ("mla_decode_kernel[(triton.cdiv(num_heads, block_h),", "mla_decode_kernel[(triton.cdiv(num_heads, block_h // 2),"),
+)
 
 
 PLANTED = Planted(id="l7", stem="l7_mla_decode", section=SECTION, pitfalls=PITFALLS, mistakes=MISTAKES)
