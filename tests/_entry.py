@@ -52,9 +52,14 @@ def traffic(argv):
     from _worker import WORKER, tree_module
     entry = find_drill(argv[0])
     try:
-        print(json.dumps(entry.traffic(tree_module(argv[1], entry.stem, entry.contract, preload=entry.preload))))
+        result = json.dumps(entry.traffic(tree_module(argv[1], entry.stem, entry.contract, preload=entry.preload)))
     finally:
         WORKER.stop()
+    if os.environ.get("DRILLS_TRAFFIC_FD"):  # the grade's (tests/_traffic.py): not the output the learner's prints share
+        with os.fdopen(int(os.environ["DRILLS_TRAFFIC_FD"]), "w") as out:
+            out.write(result)
+    else:
+        print(result)
 
 
 def bench(argv):

@@ -7,6 +7,7 @@ import json
 import os
 import re
 import sys
+import tempfile
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -139,18 +140,28 @@ def check_page_line(text, drill_id, result):
 def in_subprocess(drill, tree, test_timeout=None):
     """The drill's traffic report for `tree` as a dict, or dict(error=...) ; None without
     a traffic case or on a GPU. Run in a process of its own (tests/_entry.py), since the
-    learner's code may crash."""
+    learner's code may crash. The report comes back through a file this process made and
+    handed over as a descriptor, not on the output the learner's prints share (a print
+    left without its newline would run into it)."""
     if drill.traffic is None or not _env.INTERPRET:
         return None
     limit = test_timeout or float(os.environ.get("DRILLS_TIMEOUT", 60))
-    # The learner's code obeys the grade's limit here too; the rest is this process's start and its worker's.
-    code, out, err = run_process([sys.executable, "tests/_entry.py", "traffic", drill.id, str(tree)], 90 + limit,
-                                 {"DRILLS_TIMEOUT": str(limit)})
+    with tempfile.TemporaryFile() as result:
+        # The learner's code obeys the grade's limit here too; the rest is this process's start and its worker's.
+        code, out, err = run_process([sys.executable, "tests/_entry.py", "traffic", drill.id, str(tree)], 90 + limit,
+                                     {"DRILLS_TIMEOUT": str(limit), "DRILLS_TRAFFIC_FD": str(result.fileno())},
+                                     pass_fds=(result.fileno(),))
+        result.seek(0)
+        written = result.read()
     if code != 0:
         tail = (err or out or "").strip().splitlines()[-1:] or ["no output"]
         return dict(error=f"the traffic case did not run ({'timed out' if code is None else f'exit {code}'}): "
                           f"{tail[0][:200]}")
-    return json.loads(out.strip().splitlines()[-1])
+    try:
+        report = json.loads(written)
+    except ValueError:
+        report = "unreadable"
+    return report if report is None or isinstance(report, dict) else dict(error="the traffic case wrote no report")
 
 
 def with_reference(drill, tree, reference, test_timeout=None):

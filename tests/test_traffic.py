@@ -351,13 +351,19 @@ def test_l7_half_empty_head_tiles_are_right_and_reported(tmp_path):
 # --- the grade's line --------------------------------------------------------------
 
 
-def test_the_grade_computes_the_line_in_a_process_of_its_own_and_draws_it():
+def test_the_grade_computes_the_line_in_a_process_of_its_own_and_draws_it(tmp_path):
     from rich.console import Console
 
     import _render
     from _tree import ROOT
 
-    result = _traffic.in_subprocess(L2, ROOT / "solutions")
+    # The reference, printing the start of a report with no newline: it must not run into the real one.
+    tree = _wrong.plant_edits(L2, (), tmp_path / "tree")
+    with open(tree / f"{L2.stem}.py", "a") as f:
+        f.write("\n_real = paged_decode_attention\n\n\ndef paged_decode_attention(*args, **kwargs):\n"
+                "    print('{\"line\": \"L2  loads 1.00x (forged)\", \"x\": ', end='')\n"
+                "    return _real(*args, **kwargs)\n")
+    result = _traffic.in_subprocess(L2, tree)
     assert result["tier"] == "at the roofline" and result["line"].startswith("L2  loads 1.00× the fewest bytes")
     stub = _traffic.in_subprocess(L2, ROOT / "mine")  # raises NotImplementedError: said, not a crash of the grade
     assert "did not run" in stub["error"] and "NotImplementedError" in stub["error"]
