@@ -38,8 +38,8 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.text import Text
 
 import _catalog
-import _env
 import _similarity
+from _commands import surely_no_gpu
 from _gradebook import POINTS, Book, feedback, summary_line
 from _process import _CHILDREN, Child, kill_group, kill_leftovers
 from _render import clean_text, cleaned, make_console
@@ -177,6 +177,8 @@ class ClassRun:
 
     def __init__(self, args, drills, console, learners):
         self.args, self.drills, self.console, self.learners = args, drills, console, learners
+        # Where no NVIDIA device file exists, no torch is imported to learn that kernels run on the CPU.
+        self.gpu = not surely_no_gpu() and not __import__("_env").INTERPRET
         self.out = Path(args.out)
         self.stubs = {d.stem: stub(d.stem) for d in drills}
         self.options = dict(timeout=args.timeout, test_timeout=args.test_timeout, bench=self.benching(),
@@ -193,9 +195,7 @@ class ClassRun:
         os.chmod(self.work, 0o711)  # a worker that drops its uid can reach its own copy, list none
 
     def benching(self):
-        return not _env.INTERPRET and not self.args.no_bench
-
-    # -- one learner --
+        return self.gpu and not self.args.no_bench
 
     def grade(self, i, one):
         key = grade_key(one, self.drills, self.machinery, self.options)
@@ -214,11 +214,10 @@ class ClassRun:
             (tree / f"{drill.stem}.py").write_bytes(one["files"].get(drill.stem, self.stubs[drill.stem]))
         report = tree.parent / "grade.json"
         cmd = [sys.executable, str(FRONT), *[d.id for d in self.drills], "--tree", str(tree), "--json", str(report),
-               "--timeout", str(self.args.timeout), "--no-bench"]  # benches: after all the tests
-        if self.args.test_timeout:
-            cmd += ["--test-timeout", str(self.args.test_timeout)]
+               "--timeout", str(self.args.timeout), "--no-bench",  # benches: after all the tests
+               *(["--test-timeout", str(self.args.test_timeout)] if self.args.test_timeout else [])]
         shards = max(1, (os.cpu_count() or 2) // 2 // self.args.jobs)  # on a GPU: the host's cores shared by the jobs
-        env = {} if _env.INTERPRET or os.environ.get("DRILLS_SHARDS") else {"DRILLS_SHARDS": str(shards)}
+        env = {} if not self.gpu or os.environ.get("DRILLS_SHARDS") else {"DRILLS_SHARDS": str(shards)}
         limit = self.args.learner_timeout or self.args.timeout * len(self.drills) + 120
         started, counted = time.monotonic(), 0
         child = Child(cmd, env=env)
@@ -239,7 +238,9 @@ class ClassRun:
             status, problem = "timed out", f"the grade ran past {limit:.0f} s and was ended"
         else:
             try:
-                grade = json.loads(report.read_text()) if code in (0, 1) else None
+                # The private copy's path (a random name, in tree, tree_name and the messages) reads as the learner's.
+                text = report.read_text().replace(json.dumps(str(tree))[1:-1], json.dumps(one["tree"])[1:-1])
+                grade = json.loads(text) if code in (0, 1) else None
             except (OSError, ValueError):
                 grade = None
             tail = clean_text(err.strip().splitlines()[-1]) if err.strip() else "no message"
@@ -252,7 +253,6 @@ class ClassRun:
             if self.stopping.is_set():
                 return
             if grade:
-                grade["tree"] = grade["tree_name"] = one["tree"]  # the learner's folder, not the private copy
                 self._write(f"{one['slug']}.json", json.dumps(grade, indent=2) + "\n")
                 self._write(f"{one['slug']}.md", feedback(one["slug"], one["tree"], grade))
             self._write(f"{one['slug']}/results.json", json.dumps(self.book.gradescope(grade, problem), indent=2) + "\n")
@@ -265,8 +265,6 @@ class ClassRun:
                 self._write("state.json", json.dumps(self.state, indent=1) + "\n")
             self.write_gradebook()
         self._say(one, summary_line(grade, status, problem, seconds))
-
-    # -- outputs --
 
     def _write(self, name, text):
         path = self.out / name
@@ -314,7 +312,7 @@ class ClassRun:
                 self.rows[i] = self.book.row(one, "not graded", problem=one["problem"])
                 self._say(one, f"not graded: {one['problem']}")
         self.console.print(Text(f"class · {len(todo)} learner(s) × {len(self.drills)} drill(s) · {self.args.jobs} at "
-                                f"a time · {_env.describe()} · outputs in {self.out}"), highlight=False)
+                                f"a time · {__import__('_env').describe() if self.gpu else 'CPU'} · outputs in {self.out}"), highlight=False)
         pending, taking, started = iter(todo), threading.Lock(), time.monotonic()
 
         def work():
@@ -370,8 +368,6 @@ class ClassRun:
     def write_similarity(self):
         learners = [one for one in self.learners if not one["problem"]]
         self._write("similarity.md", _similarity.class_report(learners, self.drills, self.stubs, self.args.roster))
-
-    # -- the terminal --
 
     def _advance(self, n):
         if self.progress and n > 0:

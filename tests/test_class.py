@@ -47,6 +47,9 @@ def klass(capsys, monkeypatch):
     """`grader.py class ROSTER --drills l1 --out OUT ...` run in this process (each learner's
     grade is its own grader.py process all the same): (exit status, stdout, stderr)."""
     monkeypatch.setenv("COLUMNS", "160")
+    # Other work on tests/ while this runs would have every learner graded again (as it should):
+    # the machinery's hash is held still here; test_the_key_changes_... checks that it counts.
+    monkeypatch.setattr(_class, "machinery_digest", lambda stubs: "the machinery")
 
     def run(roster, out, *more):
         try:
@@ -141,6 +144,7 @@ def test_a_class_run_writes_every_output_keeps_learners_apart_and_a_second_run_k
     eve = json.loads((out / "eve.json").read_text())["drills"][0]
     if not _sandbox.missing():  # the error, as the grade reports a module that does not import
         assert "READABLE=['own']" in json.dumps(eve)
+    assert "drills-class-" not in (out / "eve.json").read_text()  # the private copy's path reads as Eve's folder
     assert gradebook(out)["eve"]["l1"] == "failing" and gradebook(out)["eve"]["l1 passed"] == f"0/{eve['total']}"
     assert "empty: not graded: holds no tree" in run.stdout and "-x: not graded:" in run.stdout
     book = gradebook(out)
@@ -375,7 +379,8 @@ def test_on_a_gpu_each_passing_drill_is_benched_after_the_tests_then_kept(tmp_pa
         def cancel(self):
             calls.append("ceiling ended")
     monkeypatch.setitem(sys.modules, "_bench", SimpleNamespace(Bench=Bench, Ceiling=Ceiling))
-    monkeypatch.setattr(_class._env, "INTERPRET", False)
+    monkeypatch.setattr(_class, "surely_no_gpu", lambda: False)
+    monkeypatch.setattr(sys.modules["_env"], "INTERPRET", False)
     args = SimpleNamespace(out=str(tmp_path), timeout=60, test_timeout=None, no_bench=False, points={}, partial=False,
                            jobs=1, roster=str(tmp_path), learner_timeout=None)
     one = dict(name="amy", slug="amy", tree="/r/amy", files={}, notes=[], missing=set(), problem=None)
