@@ -65,8 +65,8 @@ def folder():
     if _FOLDER is None:
         _FOLDER = Path(tempfile.mkdtemp(prefix="drills-wrong-"))
         # As root the workers drop to a uid of their own (tests/_grading.py): the variants'
-        # worker must reach the variants planted here (mkdtemp makes the folder 0700).
-        _FOLDER.chmod(0o711)
+        # worker must read and list the variants planted here (mkdtemp makes the folder 0700).
+        _FOLDER.chmod(0o755)
         atexit.register(shutil.rmtree, _FOLDER, ignore_errors=True)
     return _FOLDER
 
