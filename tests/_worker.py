@@ -17,8 +17,15 @@ The worker is what design.md's boundary asks for:
   (reads only the Python install, system libraries, the trees it serves, its scratch
   folder and the device; writes only its scratch folder), then drops tests/ from its
   path; only then is a learner's module imported.
+  Where the grade runs as root it leaves root there too (a uid of the drill's own, no
+  capability: tests/_sandbox.py's drop_root).
 - **Data, never code.** tests/_channel.py: the call goes out as shared copies of its
   tensors' storages; the reply comes back as plain data read by tests/_data.py.
+- **The learner's limit is the limit.** One deadline for a whole exchange (the request
+  sent, every message read whole: a reply sent a byte at a time ends there); a reply no
+  larger than the call may return (`_reply_limit`); what the call prints goes to files
+  made here and handed over as descriptors, read back from our own (nothing is opened by
+  name in the worker's folder, where a FIFO would block the open).
 - **Checks read private memory.** The test's own tensors are never shared; after the
   reply the written storages are copied back once and the read-only ones compared,
   so an input the worker changed fails the test (`InputChanged`).
