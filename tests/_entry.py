@@ -55,7 +55,7 @@ def traffic(argv):
         result = json.dumps(entry.traffic(tree_module(argv[1], entry.stem, entry.contract, preload=entry.preload)))
     finally:
         WORKER.stop()
-    if os.environ.get("DRILLS_TRAFFIC_FD"):  # the grade's (tests/_traffic.py): not the output the learner's prints share
+    if os.environ.get("DRILLS_TRAFFIC_FD"):  # the grade's (tests/_traffic.py): not the output the prints share
         with os.fdopen(int(os.environ["DRILLS_TRAFFIC_FD"]), "w") as out:
             out.write(result)
     else:

@@ -201,7 +201,8 @@ def test_a_picture_keeps_its_colours_and_nothing_else():
 
     import _render
     # The picture as tests/_picture.py hands it back: segments, our styles beside the learner's text
-    picture = dict(title="drawn:\n", segments=[["t0", "red"], [" \x1b[2J\x1b]0;title\x07 x\x1b[?1049h\x1bc " + REPAINT, ""],
+    picture = dict(title="drawn:\n", segments=[["t0", "red"],
+                                              [" \x1b[2J\x1b]0;title\x07 x\x1b[?1049h\x1bc " + REPAINT, ""],
                                               ["\x1b[1;32mL1 passed 35/35\x1b[0m\u202e", "dim"]])
     for shown, colours in ((picture, {"\x1b[31m", "\x1b[2m", "\x1b[0m"}), ("\x1b[31mt0\x1b[0m" + REPAINT, set())):
         out = io.StringIO()  # a string is plain text: no colour at all
