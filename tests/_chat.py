@@ -143,12 +143,14 @@ def token_lists(value, count):
             and all(isinstance(r, list) and all(type(t) is int for t in r) for r in value))
 
 
-def reuse_line(stats):
-    """What a prefix-caching engine's stats (design.md's E2 dict of ints, data from the
-    worker) say one call reused."""
+def reuse_line(stats, prompt_tokens):
+    """What a prefix-caching engine's stats (design.md's E2 dict of ints, data from the worker)
+    say a call reused, where its last prompt holds `prompt_tokens` (any before it reused
+    nothing: they came first)."""
     keys = ("reused_prompt_tokens", "prompt_tokens", "cascade_steps", "steps")
     if not (isinstance(stats, dict) and all(type(stats.get(k)) is int for k in keys)):
         return f"the stats are not design.md's dict of ints: {str(stats)[:200]}"
-    reused, total = stats["reused_prompt_tokens"], stats["prompt_tokens"]
-    return (f"reused {reused} of {total} prompt tokens ({reused / max(total, 1):.0%}), computed {total - reused}; "
-            f"{stats['cascade_steps']} of {stats['steps']} steps through cascade")
+    reused, before = stats["reused_prompt_tokens"], stats["prompt_tokens"] - prompt_tokens
+    return (f"reused {reused} of its {prompt_tokens} prompt tokens ({reused / max(prompt_tokens, 1):.0%}), computed "
+            f"{prompt_tokens - reused}" + (f" (and the {before} before it, to cache them)" if before else "")
+            + f"; {stats['cascade_steps']} of the call's {stats['steps']} steps through cascade")

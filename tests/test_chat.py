@@ -3,7 +3,6 @@ step of the engine while it runs in the worker, read back as numbers; replies as
 special tokens; a chat of turns on E2, or on E1 saying so. The real model is tested by
 tests/test_e1_paged_engine.py; here the tiny random models serve."""
 import os
-import shutil
 import subprocess
 import sys
 from types import SimpleNamespace
@@ -54,63 +53,50 @@ class Tokens:
         return "".join(chr(ord("a") + i % 26) for i in ids)
 
 
-FAKE_E2 = '''"""A stand-in E2: E1's engine, and stats as design.md's E2 gives them."""
-import importlib.util
-from pathlib import Path
+SOLUTIONS = str(ROOT / "solutions")
 
 
-def generate(model, prompts, max_new_tokens, *, kernels=None, return_stats=False, **kwargs):
-    spec = importlib.util.spec_from_file_location("e1_under_e2", Path(__file__).with_name("e1_paged_engine.py"))
-    e1 = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(e1)
-    tokens = e1.generate(model, prompts, max_new_tokens, kernels=kernels, **kwargs)
-    total = sum(map(len, prompts))
-    stats = dict(prompt_tokens=total, computed_prompt_tokens=total - 16, reused_prompt_tokens=16, steps=4,
-                 cascade_steps=1, preemptions=0)
-    return (tokens, stats) if return_stats else tokens
-'''
+def test_without_e2_a_chat_runs_on_e1_saying_so(tmp_path, capsys):
+    from drills.e1 import bench
+
+    assert bench.e2_engine(tmp_path, SOLUTIONS, 60) is None
+    assert "has no e2_prefix_cache.py: the chat runs on E1's engine" in capsys.readouterr().out
 
 
-@pytest.fixture
-def tree(tmp_path):
-    """A tree with the reference E1, L1, L3 and L6 and no E2."""
-    folder = tmp_path / "tree"
-    folder.mkdir()
-    for stem in ("e1_paged_engine", "l1_paged_kv_write", "l3_paged_prefill", "l6_cascade_attention"):
-        shutil.copy(ROOT / "solutions" / f"{stem}.py", folder)
-    return folder
-
-
-@pytest.mark.parametrize("e2", [None, FAKE_E2])
-def test_a_chat_of_turns_repeats_the_earlier_turns_and_says_what_each_reused(tree, capsys, e2):
-    """Served in the worker (the kernels note each step, read back as numbers), on E2 when the tree
-    has one (a stand-in here), else on E1, saying so."""
+def test_a_chat_of_turns_on_e1_repeats_the_earlier_turns_a_line_per_step(capsys):
+    """Served in the worker, whose kernels note each step (read back as numbers)."""
     from drills.e1 import bench
     from drills.e1.cases import tiny_model
     from _worker import tree_module
 
-    if e2:
-        (tree / "e2_prefix_cache.py").write_text(e2)
-    try:
-        model, tokenizer = tiny_model(eos=None), Tokens()
-        engine = bench.e2_engine(tree, str(tree), 60) or tree_module(tree, "e1_paged_engine", readable=[tree],
-                                                                        preload=bench.PRELOAD)
-        args = SimpleNamespace(tokens=2)
-        assert bench.chat_of_turns(engine, bool(e2), model, tokenizer, ["hi", "and?"], args, str(tree), 60) == 0
-    finally:
-        (tree / "e2_prefix_cache.py").unlink(missing_ok=True)
+    engine = tree_module(SOLUTIONS, "e1_paged_engine", readable=[SOLUTIONS], preload=bench.PRELOAD)
+    assert bench.chat_of_turns(engine, False, tiny_model(eos=None), Tokens(), ["hi", "and?"],
+                               SimpleNamespace(tokens=2), SOLUTIONS, 60) == 0
     out = capsys.readouterr().out
     first, second = out.split("[turn 2]")
     # turn 2's prompt: "hi", the reply (2 tokens, a letter each) and "and?", a line each
     assert "(2 prompt tokens" in first and f"({2 + 1 + 2 + 1 + 4} prompt tokens" in second
     # a line per step, from the worker while it served: the prefill made token 1, one decode step token 2
     assert "  step 2: 1 sequence, 1 token in, longest context 3 · " in first
-    if e2:
-        assert out.count("reused 16 of ") == 2 and "1 of 4 steps through cascade" in out
-    else:
-        assert "has no e2_prefix_cache.py: the chat runs on E1's engine" in first
-        assert out.count("E1 reuses nothing") == 2
-    assert out.count("equal to transformers' generate") == 2
+    assert out.count("E1 reuses nothing") == 2 and out.count("equal to transformers' generate") == 2
+
+
+def test_a_chat_on_the_reference_e2_reuses_the_previous_turns_whole_blocks(capsys):
+    """The reference E2 (tiny model, blocks of 16): turn 2's prompt starts with turn 1's 40
+    tokens, so its call, which serves turn 1's prompt first, reuses 2 whole blocks of it."""
+    from drills.e1 import bench
+    from drills.e1.cases import tiny_model
+
+    engine = bench.e2_engine(SOLUTIONS, SOLUTIONS, 60)
+    assert engine is not None, capsys.readouterr().out
+    first = "a question of forty characters, and more"
+    assert bench.chat_of_turns(engine, True, tiny_model(eos=None), Tokens(), [first, "and?"],
+                               SimpleNamespace(tokens=2), SOLUTIONS, 60) == 0
+    out = capsys.readouterr().out
+    # turn 2: 40 + a line break + the 2-letter reply + a line break + "and?" = 48 tokens
+    assert "reused 0 of its 40 prompt tokens" in out and "reused 32 of its 48 prompt tokens (67%), computed 16 " \
+        "(and the 40 before it, to cache them)" in out, out
+    assert "served after the previous turn's 40" in out and out.count("equal to transformers' generate") == 2
 
 
 def test_chat_answers_a_usage_error_at_once_without_a_runpy_warning():
@@ -118,3 +104,4 @@ def test_chat_answers_a_usage_error_at_once_without_a_runpy_warning():
                             text=True, timeout=120, env={**os.environ, "COLUMNS": "160"})
     assert result.returncode == 2 and "TURNS=9, but there are 4 messages" in result.stderr, result.stderr
     assert "RuntimeWarning" not in result.stderr
+

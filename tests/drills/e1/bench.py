@@ -17,7 +17,7 @@ import torch
 
 from _drill import BenchCase
 from _chat import NotingKernels, Ticker, describe, reuse_line, shown, template, text_of, token_lists, watching
-from _tree import ROOT, parameters, tree_path
+from _tree import parameters, tree_path
 from _worker import TIMEOUT, LearnerCrash, LearnerTimeout, reset_all, tree_module
 
 from .cases import (NAME, PRELOAD, WRITES, cached_smollm2, install_hint, kernels_tree, load_folder, load_smollm2,
@@ -224,11 +224,8 @@ def continuous_batching(model, prompts, new, timed):
 
 
 # ---------------------------------------------------------------------------
-# `make chat` (= grader.py chat): the engine serving SmolLM2-135M-Instruct, against generate
-#
-#     make chat [PROMPT="What is 2+2?|Name a color."] [TOKENS=16] [TREE=mine] [KERNELS=solutions]
-#               [MODEL=path] [TIMEOUT=600] [TURNS=3] [PROMPTS_FILE=path]
-#
+# `make chat` (= grader.py chat; PROMPT=, TOKENS=, TREE=, KERNELS=, MODEL=, TIMEOUT=, TURNS=,
+# PROMPTS_FILE=): the engine serving SmolLM2-135M-Instruct, against transformers' generate.
 # The prompts (`|` separates several) go under the model's chat template, served in one
 # generate() call, batched, greedy, in a worker as in the grade; the kernels handed to it
 # note each step, printed as a line (tests/_chat.py). Then each reply's text and its check
@@ -242,8 +239,6 @@ DEFAULT_PROMPT = "What is 2+2?"
 DEFAULT_TOKENS = 16  # SmolLM2 answers the default prompt in 12 tokens and stops at EOS
 DEFAULT_TURNS = ("What is 2+2?", "And 3+3?", "Add the two answers.", "Say it in words.")
 E2 = "e2_prefix_cache"
-E2_PARAMETERS = ("model", "prompts", "max_new_tokens", "block_size", "num_blocks", "max_num_batched_tokens",
-                 "enable_prefix_caching", "kernels", "return_stats")  # design.md's, before E2's reference exists
 KERNEL_STEMS = {"slot_mapping": "l1_paged_kv_write", "reshape_and_cache": "l1_paged_kv_write",
                 "paged_prefill_attention": "l3_paged_prefill", "cascade_prefix_len": "l6_cascade_attention",
                 "cascade_attention": "l6_cascade_attention"}  # E1 calls two, E2 all five
@@ -332,8 +327,8 @@ def e2_engine(tree, kernels, budget):
     if not (Path(tree) / f"{E2}.py").is_file():
         print(f"{shown(tree)}/ has no {E2}.py: the chat runs on E1's engine, which reuses nothing between turns")
         return None
-    names = parameters(E2)["generate"] if (ROOT / "solutions" / f"{E2}.py").is_file() else E2_PARAMETERS
-    engine = tree_module(tree, E2, contract={"generate": (names, ("kernels",))}, readable=[kernels], preload=PRELOAD)
+    contract = {"generate": (parameters(E2)["generate"], ("kernels",))}  # the model's weights only read
+    engine = tree_module(tree, E2, contract=contract, readable=[kernels], preload=PRELOAD)
     try:
         reset_all(budget=budget)
         engine.generate(tiny_model(), [[1, 2, 3]], 1, kernels=chat_kernels(kernels, 2), return_stats=True)
@@ -347,32 +342,37 @@ def e2_engine(tree, kernels, budget):
 
 
 def chat_of_turns(engine, is_e2, model, tokenizer, turns, args, kernels, budget):
-    """Turn k: the earlier turns, their replies and message k, under the chat template."""
-    history = []
+    """Turn k: the earlier turns, their replies and message k. E2's cache lives within a call, so
+    turn k's serves turn k - 1's prompt first (1 token, steps of its length), then reuses it."""
+    history, previous = [], None
     for k, message in enumerate(turns, start=1):
         history.append(message)
         ids = template(tokenizer, history)
-        print(f"\n[turn {k}] {message}  ({len(ids)} prompt tokens; a line per step)", flush=True)
-        served = serve(engine, model, [ids], args.tokens, kernels, budget, stats=is_e2)
+        batch = [previous, ids] if is_e2 and previous else [ids]
+        print(f"\n[turn {k}] {message}  ({len(ids)} prompt tokens" + (f", served after the previous turn's "
+              f"{len(previous)}" if len(batch) == 2 else "") + "; a line per step)", flush=True)
+        served = serve(engine, model, batch, [1] * (len(batch) - 1) + [args.tokens], kernels, budget, stats=is_e2,
+                       **(dict(max_num_batched_tokens=len(previous)) if len(batch) == 2 else {}))
         if isinstance(served, int):
             return served
-        (reply,), seconds, stats = served
-        history.append(text_of(tokenizer, reply))
-        print(f"{history[-1]}\n{len(reply)} new tokens in {seconds:.1f} s; "
-              + (reuse_line(stats) if is_e2 else "E1 reuses nothing: every prompt token computed"))
-        print(compare(model, tokenizer, ids, reply, args.tokens))
+        replies, seconds, stats = served
+        history.append(text_of(tokenizer, replies[-1]))
+        print(f"{history[-1]}\n{len(replies[-1])} new tokens in {seconds:.1f} s; "
+              + (reuse_line(stats, len(ids)) if is_e2 else "E1 reuses nothing: every prompt token computed"))
+        print(compare(model, tokenizer, ids, replies[-1], args.tokens))
+        previous = ids
     return 0
 
 
-def serve(engine, model, ids, tokens, kernels, budget, stats=False):
-    """engine.generate on `ids`, a line per step while it runs: (replies, seconds, stats or
-    None), or the exit status when it failed."""
+def serve(engine, model, ids, tokens, kernels, budget, stats=False, **options):
+    """engine.generate on `ids` (`tokens` new ones at most, or one count per prompt), a line per
+    step while it runs: (replies, seconds, stats or None), or the exit status when it failed."""
     started = time.monotonic()
     try:
         reset_all(budget=budget)
-        with watching(tokens):
+        with watching(max(tokens) if isinstance(tokens, list) else tokens):
             result = engine.generate(model, ids, tokens, kernels=chat_kernels(kernels, model.config.num_hidden_layers),
-                                     **(dict(return_stats=True) if stats else {}))
+                                     **options, **(dict(return_stats=True) if stats else {}))
     except NotImplementedError as error:
         return not_written(error, Path(kernels), kernels)
     except (LearnerCrash, LearnerTimeout, Exception) as error:
