@@ -154,7 +154,9 @@ def _same(a, b):
 
 def run_generate(drill, case, kernels, expect=None, candidates=()):
     """generate(..., return_stats=True) of the learner's engine on the case, through a
-    PrefixRecorder on `kernels`; every failure explained. Returns (tokens, stats, recorder)."""
+    PrefixRecorder on `kernels`; every failure explained. `candidates`: the engine pitfalls
+    the case exists to catch, whose planted variants are run on it when the learner's run
+    raised (a stall, a refusal). Returns (tokens, stats, recorder)."""
     rec = PrefixRecorder(kernels)
     error = result = None
     try:
@@ -168,7 +170,7 @@ def run_generate(drill, case, kernels, expect=None, candidates=()):
     problem, named = engine_problem(case, tokens, stats, rec.calls(), error, expect)
     if problem is None:
         return tokens, stats, rec
-    if named is None and candidates:
+    if named is None and candidates and error is not None:  # the candidates' evidence is how a run ends
         agree = [name for name in candidates if _variant_gives(name, case, tokens, stats, error)]
         named = agree[0] if len(agree) == 1 else None
     lines = [problem] + ([f"  this is pitfall:{named} ({SECTION}): {PLANTED.pitfalls[named].says}"] if named else [])

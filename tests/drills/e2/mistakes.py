@@ -81,7 +81,7 @@ MISTAKES = {
         ("caching=enable_prefix_caching)", "caching=True)")])),
     "cascade_never_used": Mistake(shows="cascade", edits=_planted([
         ("attend = _Cascade(kernels, prefix) if prefix > 0 else kernels", "attend = kernels")])),
-    "evicts_most_recent": Mistake(shows="evict", edits=_planted([
+    "evicts_most_recent": Mistake(shows="allocate returned", edits=_planted([
         ("b = next(iter(self._evictable))", "b = next(reversed(self._evictable))")])),
     "reuse_counted_again": Mistake(shows="reused_prompt_tokens", edits=_planted([
         ("if req.id not in self.admitted:", "if True:")])),
