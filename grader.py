@@ -77,11 +77,11 @@ def command(argv):
         tree_path(args.tree)
     except (KeyError, FileNotFoundError) as error:
         return _commands.usage_error(console, error)
-    drill, *_ = drills = load_machinery(named) or list(DRILLS)  # bench too: its traffic lines need them
-    if argv[0] == "bench":  # the reference's bandwidth report; without a GPU, at once, its traffic lines
-        if _commands.surely_no_gpu() or _env.INTERPRET:
-            return _commands.bench_without_gpu(drills, console)
-        return main(["--tree", "solutions", *args.drill])
+    load = lambda: load_machinery(named) or list(DRILLS)  # noqa: E731 -- the drills, torch behind them
+    if argv[0] == "bench":  # the reference's bandwidth report; without a GPU, said before torch loads, traffic lines
+        no_gpu = _commands.surely_no_gpu() or load() and _env.INTERPRET
+        return _commands.bench_without_gpu(load, console) if no_gpu else main(["--tree", "solutions", *args.drill])
+    drill, *_ = load()
     if argv[0] == "show":
         return _picture.show(drill, tree_path(args.tree), console, args.case)
     return _commands.watch(drill, args.tree, lambda: main([drill.id, "--tree", args.tree, "--no-bench"]), console)

@@ -380,16 +380,16 @@ def surely_no_gpu():
     return asked or not any(Path("/dev").glob("nvidia[0-9]*"))
 
 
-def bench_without_gpu(drills, console, reference=ROOT / "solutions"):
+def bench_without_gpu(load, console, reference=ROOT / "solutions"):
     """`make bench` where kernels run in Triton's CPU interpreter: it says at once that the
-    bandwidth report needs a GPU, then prints each drill's traffic line for the reference
+    bandwidth report needs a GPU, then prints each drill's (`load()`) traffic line for the reference
     (tests/_traffic.py: its traffic case with every load and store counted, no test run;
     the line is kept in .drills/ once counted, as the grade keeps it). Exit status 0."""
     console.print("bandwidth: needs a GPU; here kernels run in Triton's CPU interpreter. The reference's traffic "
                   "lines instead (bytes counted on each drill's traffic case, no test run):", markup=False,
                   highlight=False)
-    import _traffic
-    for drill in drills:
+    import _traffic  # numpy and torch: after the first line
+    for drill in load():
         if drill.traffic is None:
             console.print(f"{drill.id.upper()}  no traffic case: its kernels' bytes are counted in the drills they "
                           f"come from", markup=False, highlight=False)

@@ -412,12 +412,19 @@ def test_diff_puts_two_learners_side_by_side(here, tmp_path):
 # --- bench without a GPU: at once, the reference's traffic lines, no grade ---------------
 
 
-def test_bench_without_a_gpu_prints_traffic_lines_and_grades_nothing():
+def test_bench_without_a_gpu_prints_traffic_lines_and_grades_nothing(tmp_path):
+    """It says so before torch is imported (a sitecustomize marks the import), then prints
+    the reference's traffic lines, and runs no test."""
+    (tmp_path / "sitecustomize.py").write_text(
+        "import sys\nclass Mark:\n    def find_spec(self, name, path=None, target=None):\n"
+        "        if name == 'torch':\n            print('torch imported', flush=True)\n"
+        "sys.meta_path.insert(0, Mark())\n")
     result = subprocess.run([sys.executable, "grader.py", "bench", "l1", "e1"], cwd=ROOT, capture_output=True,
-                            text=True, env={**os.environ, "COLUMNS": "200", "TRITON_INTERPRET": "1"}, timeout=180)
-    rows = result.stdout.splitlines()
+                            text=True, timeout=180, env={**os.environ, "COLUMNS": "200", "TRITON_INTERPRET": "1",
+                                                         "PYTHONPATH": str(tmp_path)})
+    rows = [row for row in result.stdout.splitlines() if row != "torch imported"]
     assert result.returncode == 0, result.stdout + result.stderr
-    assert rows[0].startswith("bandwidth: needs a GPU")
+    assert result.stdout.startswith("bandwidth: needs a GPU") and "torch imported" in result.stdout
     assert rows[1].startswith("L1  loads 1.00× the fewest bytes") and rows[1].endswith("at the roofline")
     assert rows[2].startswith("E1  no traffic case") and len(rows) == 3
 
