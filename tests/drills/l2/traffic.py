@@ -93,7 +93,8 @@ def check_a_host_read_of_the_whole_table_fails_no_test(device):
     with tempfile.TemporaryDirectory() as folder:
         contract = {fn: (names, ("out",) if fn == "paged_decode_attention" else ())  # the drill's `writes`
                     for fn, names in parameters(PLANTED.stem).items()}
-        module = tree_module(plant_edits(PLANTED, (_HOST_READS_THE_TABLE,), folder), PLANTED.stem, contract)
+        # the tree in a folder of its own: mkdtemp's is 0700, and as root the worker reads as another user
+        module = tree_module(plant_edits(PLANTED, (_HOST_READS_THE_TABLE,), f"{folder}/tree"), PLANTED.stem, contract)
         for case in (small_case(device, [128, 32, 1, 20], extra_columns=0, seed=4), far_garbage_case(device), negative,
                      small_case(device, [5, 17, 32, 40], extra_columns=3, seed=6)):
             out = poisoned_out(case.query.shape, case.query.dtype, case.query.device, torch.Generator().manual_seed(0))
