@@ -181,3 +181,19 @@ def test_no_hypothesis_deadline_where_learner_code_runs():
                 assert not (keyword.arg == "deadline" and not (isinstance(keyword.value, ast.Constant)
                                                                 and keyword.value.value is None)), \
                     f"{path.relative_to(ROOT)}:{node.lineno} sets a hypothesis deadline"
+
+
+def test_a_grade_watches_the_files_it_runs_and_never_waits_on_one(tmp_path):
+    """What a drill's grade stands on, of the learner's tree: its own file, and for a drill
+    that imports the same tree's kernels (E1) theirs too; a FIFO in a file's place is
+    watched as what it is, never read (the grade would wait on it)."""
+    import _integrity
+    from _manifest import DRILLS
+    stems = [d.stem for d in DRILLS]
+    for drill, want in ((BY_ID["e1"], ["e1_paged_engine.py", "l1_paged_kv_write.py", "l3_paged_prefill.py"]),
+                        (L1, ["l1_paged_kv_write.py"])):
+        got = [path.name for path in _integrity.graded_files(drill, ROOT / "solutions", stems)]
+        assert got == want, f"{drill.id.upper()}'s grade watches {got}, not {want}"
+    os.mkfifo(tmp_path / f"{L1.stem}.py")
+    got = _integrity.digests(_integrity.graded_files(L1, tmp_path, stems))
+    assert got == {str(tmp_path / f"{L1.stem}.py"): "not a file"}, f"a FIFO in the graded file's place: {got}"
