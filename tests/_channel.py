@@ -118,6 +118,26 @@ def _exactly(sock, n, deadline=None):
     return bytes(buf)
 
 
+def tail(f, limit):
+    """The last `limit` bytes of one of a call's output files, as text. The file is the test
+    process's: made unnamed (nothing the worker can replace with a FIFO) and handed to the
+    worker as a descriptor; it may have made it gigabytes long, so only the tail is read."""
+    if f is None:
+        return ""
+    try:
+        size = os.fstat(f.fileno()).st_size
+        return os.pread(f.fileno(), limit, max(0, size - limit)).decode(errors="replace")
+    except OSError:
+        return ""
+
+
+def reply_limit(sharing):
+    """The most bytes a reply may hold: what a call may return is of the order of its
+    arguments (an output as large as the inputs, counts beside it), so a few times their
+    size, and 64 MiB for plain data (tokens, a block manager's replay)."""
+    return min(MAX_MESSAGE, (64 << 20) + 4 * sum(s.private.numel() for s in sharing.storages))
+
+
 def as_bytes(t):
     """The whole storage behind `t`, as a flat uint8 tensor on its device."""
     return torch.empty(0, dtype=torch.uint8, device=t.device).set_(t.untyped_storage())

@@ -36,7 +36,7 @@ How the contract's "Confined before the import" and "Not root" are met:
   kcmp; io_uring (its operations pass by the filter); the kernel keyrings (secrets); and
   the calls only root may make (modules, reboot, mount, bpf, perf_event_open, fanotify,
   open_by_handle_at, the clock...), since the lent GPU machines grade as root. Whatever
-  the uid (`_MASKED`): mknod/mknodat of a block or character device (one of the system
+  the uid (tests/_seccomp.py's `_MASKED`): mknod/mknodat of a block or character device (one of the system
   disk, opened raw, passes every Landlock rule); ioctl FS_IOC_SETFLAGS (and its 32-bit
   form) and FS_IOC_FSSETXATTR (chattr: an immutable file outlives the grade's clean-up;
   the command's low 32 bits compared, as the kernel reads them); sched_setscheduler with
@@ -45,7 +45,7 @@ How the contract's "Confined before the import" and "Not root" are met:
   with a namespace flag, and clone3 answered ENOSYS (its flags are in memory; the C
   library falls back to clone). Loaded on every thread (TSYNC), after no_new_privs.
   Foreign-ABI calls kill the thread.
-- Not root (`drop_root`, where the process runs as root: the lent GPU machines grade
+- Not root (tests/_unroot.py's `drop_root`, where the process runs as root: the lent GPU machines grade
   so): before Landlock, in mount and network namespaces of its own, every path a rule
   names is made reachable by the unprivileged uid (`_expose`: a folder on the way it may
   not pass, e.g. root's 0700 home holding a pyenv Python, is covered by an empty tmpfs in
@@ -59,7 +59,7 @@ How the contract's "Confined before the import" and "Not root" are met:
   /proc/<pid>/net then lists an empty network namespace. The learner's tree must be
   readable by others (its own mode is not changed); else the worker refuses to start,
   saying so. Where the namespaces cannot be had, it leaves root all the same and says so.
-- Why pyseccomp: a small ctypes binding of the system's libseccomp.so.2, which builds
+- Why pyseccomp (tests/_seccomp.py): a small ctypes binding of the system's libseccomp.so.2, which builds
   the BPF for the architecture, rather than hand-written BPF. Where pyseccomp or
   libseccomp is missing, `missing()` and `describe()` say so and Landlock stands alone.
 
@@ -76,19 +76,21 @@ unprivileged user namespace first: not done). Point TMPDIR, HOME, TRITON_CACHE_D
 CUDA_CACHE_PATH at the scratch folder: the only place the worker can create files.
 """
 import ctypes
-import errno
 import glob
 import os
 import platform
 import shutil
 import sys
 
+import _seccomp
+from _unroot import WORKER_UID, drop_root, worker_user  # noqa: F401  -- WORKER_UID: tests/_grading.py's
+
 # System call numbers: the same on x86_64 and aarch64 (the generic table).
 _SYS_CREATE_RULESET, _SYS_ADD_RULE, _SYS_RESTRICT_SELF = 444, 445, 446
 _CREATE_RULESET_VERSION = 1 << 0
 _RESTRICT_SELF_TSYNC = 1 << 3  # ABI 8: the domain covers every thread of the process
 _RULE_PATH_BENEATH = 1
-_PR_SET_NO_NEW_PRIVS, _PR_GET_SECCOMP = 38, 21
+_PR_SET_NO_NEW_PRIVS = 38
 
 # Filesystem rights (include/uapi/linux/landlock.h), with the ABI that brought each.
 _FS = dict(EXECUTE=(1 << 0, 1), WRITE_FILE=(1 << 1, 1), READ_FILE=(1 << 2, 1), READ_DIR=(1 << 3, 1),
@@ -324,122 +326,12 @@ def _no_new_privs():
 
 
 # ---------------------------------------------------------------------------
-# seccomp
-
-_DENIED = (
-    "socketpair", "connect",                                      # no new sockets (below), no connecting
-    "ptrace", "process_vm_readv", "process_vm_writev", "process_madvise", "pidfd_getfd", "kcmp",
-    "io_uring_setup", "io_uring_enter", "io_uring_register",      # its own socket and open operations
-    "keyctl", "add_key", "request_key",                           # the kernel keyrings may hold secrets
-    # Only root may make these; the lent GPU machines grade as root.
-    "init_module", "finit_module", "delete_module", "kexec_load", "kexec_file_load", "reboot",
-    "swapon", "swapoff", "mount", "umount2", "pivot_root", "bpf", "perf_event_open", "fanotify_init",
-    "name_to_handle_at", "open_by_handle_at", "settimeofday", "clock_settime", "clock_adjtime", "adjtimex",
-    "sethostname", "setdomainname", "syslog", "acct", "quotactl", "iopl", "ioperm",
-    # A real-time policy's busy loop starves the grader on few cores; sched_setattr's policy
-    # lies in memory the filter cannot read, so it is refused whole (sched_setscheduler below).
-    "sched_setattr",
-    # New namespaces (a user namespace's capabilities, a mount of its own) and joining others'.
-    "unshare", "setns",
-)
-# (call, argument, mask, value): refused where (argument & mask) == value.
-_S_IFMT, _S_IFCHR, _S_IFBLK = 0o170000, 0o020000, 0o060000
-_FS_IOC_SETFLAGS, _FS_IOC32_SETFLAGS, _FS_IOC_FSSETXATTR = 0x40086602, 0x40046602, 0x401C5820
-_CLONE_NAMESPACES = (0x00020000, 0x02000000, 0x04000000, 0x08000000, 0x10000000, 0x20000000, 0x40000000)
-_MASKED = (
-    # Device nodes: a block device of the system disk, opened raw, passes every Landlock rule.
-    ("mknod", 1, _S_IFMT, _S_IFCHR), ("mknod", 1, _S_IFMT, _S_IFBLK),
-    ("mknodat", 2, _S_IFMT, _S_IFCHR), ("mknodat", 2, _S_IFMT, _S_IFBLK),
-    # chattr: an immutable file outlives the grade's removal of the scratch folder. The command
-    # is an unsigned int: only its low 32 bits are compared.
-    ("ioctl", 1, 0xFFFFFFFF, _FS_IOC_SETFLAGS), ("ioctl", 1, 0xFFFFFFFF, _FS_IOC32_SETFLAGS),
-    ("ioctl", 1, 0xFFFFFFFF, _FS_IOC_FSSETXATTR),
-    # Real-time policies (SCHED_FIFO 1, SCHED_RR 2, SCHED_DEADLINE 6, with or without
-    # SCHED_RESET_ON_FORK), on itself too.
-    ("sched_setscheduler", 1, 0x7, 1), ("sched_setscheduler", 1, 0x7, 2), ("sched_setscheduler", 1, 0x7, 6),
-    # clone with a namespace flag (its flags are its first argument on x86_64 and aarch64).
-    *(("clone", 0, flag, flag) for flag in _CLONE_NAMESPACES),
-)
-_AF_UNIX, _SOCK_SEQPACKET = 1, 5
-# (call, argument, the one value allowed): refused where that argument holds anything else.
-_ON_ITSELF_ONLY = (
-    ("prlimit64", 0, 0), ("sched_setaffinity", 0, 0), ("sched_setscheduler", 0, 0), ("sched_setparam", 0, 0),
-    ("sched_setattr", 0, 0), ("migrate_pages", 0, 0), ("move_pages", 0, 0),
-    ("setpriority", 0, 0), ("setpriority", 1, 0),                 # PRIO_PROCESS, who = 0
-    ("ioprio_set", 0, 1), ("ioprio_set", 1, 0),                   # IOPRIO_WHO_PROCESS, who = 0
-)
-
-
-def _pyseccomp():
-    """pyseccomp, or None where it or libseccomp is missing. Its import asks
-    ctypes.util.find_library, which runs `ldconfig -p` in a subprocess (some 50 ms):
-    the usual sonames are tried first."""
-    if "pyseccomp" in sys.modules:
-        return sys.modules["pyseccomp"]
-    import ctypes.util
-    slow = ctypes.util.find_library
-
-    def find_library(name):
-        soname = {"c": "libc.so.6", "seccomp": "libseccomp.so.2"}.get(name)
-        if soname:
-            try:
-                ctypes.CDLL(soname)
-                return soname
-            except OSError:
-                pass
-        return slow(name)
-
-    ctypes.util.find_library = find_library
-    try:
-        import pyseccomp
-        return pyseccomp
-    except (ImportError, RuntimeError, OSError, AttributeError):
-        return None
-    finally:
-        ctypes.util.find_library = slow
-
-
-def _kernel_has_seccomp():
-    return platform.system() == "Linux" and _libc.prctl(_PR_GET_SECCOMP, 0, 0, 0, 0) >= 0
+# seccomp (tests/_seccomp.py builds the filter)
 
 
 def _seccomp_filter():
     """The filter, built (not loaded); None where seccomp cannot be had."""
-    sc = _pyseccomp() if _kernel_has_seccomp() else None
-    if sc is None:
-        return None
-    refuse = sc.ERRNO(errno.EPERM)
-    flt = sc.SyscallFilter(sc.ALLOW)
-    for name in _DENIED:
-        _add(sc, flt, refuse, name)
-    if _device_files():
-        # CUDA's initialisation makes one socket, an abstract AF_UNIX SOCK_SEQPACKET
-        # listener ("@cuda-uvmfd-..."); refused, it fails with error 304. Every other
-        # family and type is still refused, and with connect refused it reaches nothing.
-        _add(sc, flt, refuse, "socket", sc.Arg(0, sc.NE, _AF_UNIX))
-        for kind in range(16):  # the type's low four bits; the rest are flags
-            if kind != _SOCK_SEQPACKET:
-                _add(sc, flt, refuse, "socket", sc.Arg(1, sc.MASKED_EQ, 0xF, kind))
-    else:
-        _add(sc, flt, refuse, "socket")
-    for name, arg, allowed in _ON_ITSELF_ONLY:
-        _add(sc, flt, refuse, name, sc.Arg(arg, sc.NE, allowed))
-    for name, arg, mask, value in _MASKED:
-        _add(sc, flt, refuse, name, sc.Arg(arg, sc.MASKED_EQ, mask, value))
-    # clone3 passes its flags in memory the filter cannot read: ENOSYS makes the C library
-    # fall back to clone, whose flags it can (as container runtimes do).
-    _add(sc, flt, sc.ERRNO(errno.ENOSYS), "clone3")
-    try:
-        flt.set_attr(sc.Attr.CTL_TSYNC, 1)  # every thread, not only this one
-    except OSError:
-        pass  # a libseccomp too old for it: this thread and those it starts
-    return flt
-
-
-def _add(sc, flt, action, name, *args):
-    if sc.resolve_syscall(sc.Arch.NATIVE, name) < 0:
-        return  # a call this architecture (iopl on aarch64) or this libseccomp does not know
-    flt.add_rule(action, name, *args)
+    return _seccomp.build_filter(gpu=bool(_device_files()))
 
 
 def seccomp():
@@ -451,143 +343,6 @@ def seccomp():
     _no_new_privs()
     flt.load()
     return True
-
-
-# ---------------------------------------------------------------------------
-# Not root
-
-_CLONE_NEWNS, _CLONE_NEWNET = 0x00020000, 0x40000000
-_MS_NOSUID, _MS_NODEV, _MS_BIND, _MS_REC, _MS_PRIVATE = 0x2, 0x4, 0x1000, 0x4000, 0x40000
-_PR_SET_PDEATHSIG, _PR_SET_DUMPABLE, _PR_CAPBSET_DROP, _PR_CAP_AMBIENT, _PR_CAP_AMBIENT_CLEAR_ALL = 1, 4, 24, 47, 4
-WORKER_UID = "DRILLS_WORKER_UID"  # the uid a grade running as root hands its confined processes
-NOBODY = 65534
-
-
-def worker_user():
-    """(uid, gid) a confined process runs as where the grade runs as root, else None: the
-    grade's DRILLS_WORKER_UID (one per drill: tests/_grading.py, so that what a drill's
-    workers leave in /dev/shm is known by its owner), else nobody's 65534. The gid is the
-    same number, or the GPU device files' group where only their group may open them."""
-    if os.geteuid() != 0:
-        return None
-    uid = int(os.environ.get(WORKER_UID) or NOBODY)
-    gid = uid
-    try:
-        info = os.stat("/dev/nvidiactl")
-        if not info.st_mode & 0o006 and info.st_mode & 0o060:
-            gid = info.st_gid
-    except OSError:
-        pass
-    return uid, gid
-
-
-def _reachable(path, uid, gid):
-    """The first folder on the way to `path` that uid/gid may not pass (no search right), or None."""
-    at = "/"
-    for part in path.strip("/").split("/")[:-1]:
-        at = os.path.join(at, part)
-        info = os.stat(at)
-        bit = 0o100 if info.st_uid == uid else 0o010 if info.st_gid == gid else 0o001
-        if not info.st_mode & bit:
-            return at
-    return None
-
-
-def _mount(source, target, fstype, flags, data=None):
-    enc = (lambda x: x.encode() if isinstance(x, str) else x)
-    if _libc.mount(enc(source), enc(target), enc(fstype), ctypes.c_ulong(flags), enc(data)) != 0:
-        err = ctypes.get_errno()
-        raise OSError(err, f"mount {target}: {os.strerror(err)}")
-
-
-def _expose(paths, uid, gid):
-    """In this process's own mount namespace: every one of `paths` made reachable by
-    uid/gid, the same path as before. A folder on the way that they may not pass (root's
-    home, 0700, holding the Python install; pytest's 0700 temporary folders) is covered
-    with an empty tmpfs in which only the needed paths below it are bound again, so
-    everything else there (the home folder itself) is not even visible. Returns the
-    folders covered."""
-    covered, paths = [], sorted({p for p in paths if os.path.lexists(p)}, key=lambda p: (p.count("/"), p))
-    for path in paths:
-        for _ in range(8):  # a bound folder may hold another that blocks the way
-            blocking = _reachable(path, uid, gid)
-            if blocking is None or blocking in paths:
-                break
-            under = [p for p in paths if _inside(p, blocking)]
-            under = [p for p in under if not any(q != p and _inside(p, q) for q in under)]
-            links = {p: os.readlink(p) for p in under if os.path.islink(p)}  # made again, not bound
-            fds = {p: os.open(p, os.O_PATH | os.O_CLOEXEC) for p in under if p not in links}  # before the tmpfs
-            try:
-                _mount("tmpfs", blocking, "tmpfs", _MS_NOSUID | _MS_NODEV, "mode=0755,size=1m")
-                for p, target in links.items():
-                    os.makedirs(os.path.dirname(p), mode=0o755, exist_ok=True)
-                    os.symlink(target, p)
-                for p, fd in fds.items():
-                    folder = os.path.isdir(f"/proc/self/fd/{fd}")
-                    os.makedirs(os.path.dirname(p) if not folder else p, mode=0o755, exist_ok=True)
-                    if not folder:
-                        os.close(os.open(p, os.O_CREAT | os.O_WRONLY, 0o644))
-                    _mount(f"/proc/self/fd/{fd}", p, None, _MS_BIND | _MS_REC)
-            finally:
-                for fd in fds.values():
-                    os.close(fd)
-            covered.append(blocking)
-    return covered
-
-
-def _caps_left():
-    """The capability sets still held (CapPrm, CapEff, CapBnd, CapAmb, as in /proc/self/status)."""
-    with open(f"/proc/{os.getpid()}/status") as f:
-        return {k: int(v, 16) for k, v in (line.split(":") for line in f if line.startswith("Cap"))
-                if k != "CapInh" and int(v, 16)}
-
-
-def drop_root(paths, scratch, user, trees=()):
-    """Where the grade runs as root: this process (one thread) leaves root for `user`
-    (uid, gid) with no capability and no supplementary group. First, in a mount and a
-    network namespace of its own: the `paths` it must read made reachable by that user
-    (`_expose`), and /proc/<pid>/net showing an empty network namespace rather than the
-    host's sockets; the scratch folder is given to the user. Then the bounding set is
-    dropped, the ids set (which clears the other capability sets), and the process made
-    dumpable again (else its /proc files stay root's and CUDA cannot name its threads).
-    Returns a few words for describe()'s line; raises OSError where a step failed."""
-    uid, gid = user
-    for tree in trees:  # a folder on the way can be covered; the tree's own mode is the learner's
-        info = os.stat(tree)
-        shift = 6 if info.st_uid == uid else 3 if info.st_gid == gid else 0
-        if not (info.st_mode >> shift) & 0o1:  # passing it is enough to import by name (0711 is fine)
-            raise OSError(errno.EACCES, f"{tree} is not readable by others (mode {info.st_mode & 0o777:o}), and the "
-                                        f"learner's code runs as uid {uid}, not root: chmod o+rx it (and its "
-                                        f"files o+r), or grade as its owner")
-    os.umask(0o022)
-    namespaces = _libc.unshare(_CLONE_NEWNS | _CLONE_NEWNET) == 0
-    covered = []
-    if namespaces:
-        _mount(None, "/", None, _MS_REC | _MS_PRIVATE)  # nothing done here reaches the host
-        covered = _expose([*paths, scratch], uid, gid)
-    for folder, dirs, files in os.walk(scratch):
-        for name in (folder, *(os.path.join(folder, n) for n in dirs + files)):
-            os.lchown(name, uid, gid)
-    for cap in range(64):
-        if _libc.prctl(_PR_CAPBSET_DROP, cap, 0, 0, 0) != 0 and ctypes.get_errno() == errno.EINVAL:
-            break  # past the last capability this kernel knows
-    _libc.prctl(_PR_CAP_AMBIENT, _PR_CAP_AMBIENT_CLEAR_ALL, 0, 0, 0)
-    os.setgroups([])
-    os.setresgid(gid, gid, gid)
-    parent = os.getppid()
-    os.setresuid(uid, uid, uid)
-    _libc.prctl(_PR_SET_DUMPABLE, 1, 0, 0, 0)
-    # A change of credentials clears the parent-death signal: asked again, so that the process
-    # still dies with the one that started it (and at once if that one is already gone).
-    _libc.prctl(_PR_SET_PDEATHSIG, 9, 0, 0, 0)
-    if os.getppid() != parent:
-        os._exit(0)
-    left = _caps_left()
-    if os.getuid() == 0 or os.geteuid() == 0 or left.get("CapPrm") or left.get("CapEff"):
-        raise OSError(errno.EPERM, f"still privileged after the drop: uid {os.getuid()}, {left}")
-    where = f"; own mount and network namespaces{', covered ' + ', '.join(covered) if covered else ''}" \
-        if namespaces else "; no namespaces of its own (/proc/<pid>/net shows the host's)"
-    return f"uid {uid} gid {gid}, no capabilities{where}"
 
 
 # ---------------------------------------------------------------------------
@@ -630,7 +385,7 @@ def confine(scratch, readable=(), writable=()):
 def status():
     """What this machine offers, without applying anything: {"landlock": ABI or 0,
     "seccomp": bool}."""
-    return {"landlock": abi(), "seccomp": _kernel_has_seccomp() and _pyseccomp() is not None}
+    return {"landlock": abi(), "seccomp": _seccomp.kernel_has_seccomp() and _seccomp.pyseccomp() is not None}
 
 
 def missing():
@@ -643,7 +398,7 @@ def describe():
     """One line for the grade and --json: "landlock ABI 7 + seccomp", or what is missing;
     as root, with the uid the workers run as."""
     have = status()
-    why = "kernel without seccomp" if not _kernel_has_seccomp() else "libseccomp or pyseccomp missing"
+    why = "kernel without seccomp" if not _seccomp.kernel_has_seccomp() else "libseccomp or pyseccomp missing"
     user = worker_user()
     as_user = (f" + not root (uid {user[0]})" if os.environ.get(WORKER_UID) else " + not root") if user else ""
     if have["landlock"] and have["seccomp"]:

@@ -23,7 +23,7 @@ The worker is what design.md's boundary asks for:
   tensors' storages; the reply comes back as plain data read by tests/_data.py.
 - **The learner's limit is the limit.** One deadline for a whole exchange (the request
   sent, every message read whole: a reply sent a byte at a time ends there); a reply no
-  larger than the call may return (`_reply_limit`); what the call prints goes to files
+  larger than the call may return (`_channel.reply_limit`); what the call prints goes to files
   made here and handed over as descriptors, read back from our own (nothing is opened by
   name in the worker's folder, where a FIFO would block the open).
 - **Checks read private memory.** The test's own tensors are never shared; after the
@@ -78,22 +78,9 @@ class LearnerError(Exception):
     """An exception of another type raised by the learner's code: `TypeName: message`."""
 
 
-def _tail(f, limit):
-    """The last `limit` bytes of one of a call's output files, as text. The file is ours: made
-    here, unnamed (nothing the worker can replace with a FIFO), and handed to the worker as a
-    descriptor; it may have made it gigabytes long, so only the tail is read."""
-    if f is None:
-        return ""
-    try:
-        size = os.fstat(f.fileno()).st_size
-        return os.pread(f.fileno(), limit, max(0, size - limit)).decode(errors="replace")
-    except OSError:
-        return ""
-
-
 def _last_cuda_error(err):
     """The last "CUDA error: ..." line a crashed call printed on its stderr (`err`, the call's file)."""
-    return ([None] + re.findall(r"CUDA error: [^\n]{1,200}", _tail(err, 8000)))[-1]
+    return ([None] + re.findall(r"CUDA error: [^\n]{1,200}", _channel.tail(err, 8000)))[-1]
 
 
 def _as_text(text):
@@ -256,7 +243,7 @@ class Worker:
         except OSError:
             self.stop()
             raise LearnerCrash(f"the process running your code died before {name}() was called")
-        limit = _reply_limit(sharing)
+        limit = _channel.reply_limit(sharing)
         while True:
             try:
                 payload = self._receive(deadline, limit) if time.monotonic() < deadline else None
@@ -313,7 +300,7 @@ class Worker:
         # What it printed is read from our own files (the reply's copy is not trusted), and
         # passed on as text: in a test it lands in the record's stdout/stderr, in the
         # picture's subprocess in the picture, never as escape sequences.
-        out, err = _tail(printed[0], 4000), _tail(printed[1], 4000)
+        out, err = _channel.tail(printed[0], 4000), _channel.tail(printed[1], 4000)
         if out:
             sys.stdout.write(_as_text(str(out)))
         if err:
@@ -351,13 +338,6 @@ class Worker:
             except ValueError:
                 return f"killed by signal {-code}"
         return f"exit code {code}"
-
-
-def _reply_limit(sharing):
-    """The most bytes a reply may hold: what a call may return is of the order of its
-    arguments (an output as large as the inputs, counts beside it), so a few times their
-    size, and 64 MiB for plain data (tokens, a block manager's replay)."""
-    return min(_channel.MAX_MESSAGE, (64 << 20) + 4 * sum(s.private.numel() for s in sharing.storages))
 
 
 def _end(launched):

@@ -1,0 +1,147 @@
+"""Not root (tests/_sandbox.py's "Not root" says how the contract is met): where the grade
+runs as root, a confined process leaves root before the learner's code runs. Names no
+drill; imports only the standard library."""
+import ctypes
+import errno
+import os
+
+_libc = ctypes.CDLL(None, use_errno=True)
+
+
+_CLONE_NEWNS, _CLONE_NEWNET = 0x00020000, 0x40000000
+_MS_NOSUID, _MS_NODEV, _MS_BIND, _MS_REC, _MS_PRIVATE = 0x2, 0x4, 0x1000, 0x4000, 0x40000
+_PR_SET_PDEATHSIG, _PR_SET_DUMPABLE, _PR_CAPBSET_DROP, _PR_CAP_AMBIENT, _PR_CAP_AMBIENT_CLEAR_ALL = 1, 4, 24, 47, 4
+WORKER_UID = "DRILLS_WORKER_UID"  # the uid a grade running as root hands its confined processes
+NOBODY = 65534
+
+
+def _inside(path, folder):
+    return path == folder or path.startswith(folder.rstrip("/") + "/")
+
+
+def worker_user():
+    """(uid, gid) a confined process runs as where the grade runs as root, else None: the
+    grade's DRILLS_WORKER_UID (one per drill: tests/_grading.py, so that what a drill's
+    workers leave in /dev/shm is known by its owner), else nobody's 65534. The gid is the
+    same number, or the GPU device files' group where only their group may open them."""
+    if os.geteuid() != 0:
+        return None
+    uid = int(os.environ.get(WORKER_UID) or NOBODY)
+    gid = uid
+    try:
+        info = os.stat("/dev/nvidiactl")
+        if not info.st_mode & 0o006 and info.st_mode & 0o060:
+            gid = info.st_gid
+    except OSError:
+        pass
+    return uid, gid
+
+
+def _reachable(path, uid, gid):
+    """The first folder on the way to `path` that uid/gid may not pass (no search right), or None."""
+    at = "/"
+    for part in path.strip("/").split("/")[:-1]:
+        at = os.path.join(at, part)
+        info = os.stat(at)
+        bit = 0o100 if info.st_uid == uid else 0o010 if info.st_gid == gid else 0o001
+        if not info.st_mode & bit:
+            return at
+    return None
+
+
+def _mount(source, target, fstype, flags, data=None):
+    enc = (lambda x: x.encode() if isinstance(x, str) else x)
+    if _libc.mount(enc(source), enc(target), enc(fstype), ctypes.c_ulong(flags), enc(data)) != 0:
+        err = ctypes.get_errno()
+        raise OSError(err, f"mount {target}: {os.strerror(err)}")
+
+
+def _expose(paths, uid, gid):
+    """In this process's own mount namespace: every one of `paths` made reachable by
+    uid/gid, the same path as before. A folder on the way that they may not pass (root's
+    home, 0700, holding the Python install; pytest's 0700 temporary folders) is covered
+    with an empty tmpfs in which only the needed paths below it are bound again, so
+    everything else there (the home folder itself) is not even visible. Returns the
+    folders covered."""
+    covered, paths = [], sorted({p for p in paths if os.path.lexists(p)}, key=lambda p: (p.count("/"), p))
+    for path in paths:
+        for _ in range(8):  # a bound folder may hold another that blocks the way
+            blocking = _reachable(path, uid, gid)
+            if blocking is None or blocking in paths:
+                break
+            under = [p for p in paths if _inside(p, blocking)]
+            under = [p for p in under if not any(q != p and _inside(p, q) for q in under)]
+            links = {p: os.readlink(p) for p in under if os.path.islink(p)}  # made again, not bound
+            fds = {p: os.open(p, os.O_PATH | os.O_CLOEXEC) for p in under if p not in links}  # before the tmpfs
+            try:
+                _mount("tmpfs", blocking, "tmpfs", _MS_NOSUID | _MS_NODEV, "mode=0755,size=1m")
+                for p, target in links.items():
+                    os.makedirs(os.path.dirname(p), mode=0o755, exist_ok=True)
+                    os.symlink(target, p)
+                for p, fd in fds.items():
+                    folder = os.path.isdir(f"/proc/self/fd/{fd}")
+                    os.makedirs(os.path.dirname(p) if not folder else p, mode=0o755, exist_ok=True)
+                    if not folder:
+                        os.close(os.open(p, os.O_CREAT | os.O_WRONLY, 0o644))
+                    _mount(f"/proc/self/fd/{fd}", p, None, _MS_BIND | _MS_REC)
+            finally:
+                for fd in fds.values():
+                    os.close(fd)
+            covered.append(blocking)
+    return covered
+
+
+def _caps_left():
+    """The capability sets still held (CapPrm, CapEff, CapBnd, CapAmb, as in /proc/self/status)."""
+    with open(f"/proc/{os.getpid()}/status") as f:
+        return {k: int(v, 16) for k, v in (line.split(":") for line in f if line.startswith("Cap"))
+                if k != "CapInh" and int(v, 16)}
+
+
+def drop_root(paths, scratch, user, trees=()):
+    """Where the grade runs as root: this process (one thread) leaves root for `user`
+    (uid, gid) with no capability and no supplementary group. First, in a mount and a
+    network namespace of its own: the `paths` it must read made reachable by that user
+    (`_expose`), and /proc/<pid>/net showing an empty network namespace rather than the
+    host's sockets; the scratch folder is given to the user. Then the bounding set is
+    dropped, the ids set (which clears the other capability sets), and the process made
+    dumpable again (else its /proc files stay root's and CUDA cannot name its threads).
+    Returns a few words for describe()'s line; raises OSError where a step failed."""
+    uid, gid = user
+    for tree in trees:  # a folder on the way can be covered; the tree's own mode is the learner's
+        info = os.stat(tree)
+        shift = 6 if info.st_uid == uid else 3 if info.st_gid == gid else 0
+        if not (info.st_mode >> shift) & 0o1:  # passing it is enough to import by name (0711 is fine)
+            raise OSError(errno.EACCES, f"{tree} is not readable by others (mode {info.st_mode & 0o777:o}), and the "
+                                        f"learner's code runs as uid {uid}, not root: chmod o+rx it (and its "
+                                        f"files o+r), or grade as its owner")
+    os.umask(0o022)
+    namespaces = _libc.unshare(_CLONE_NEWNS | _CLONE_NEWNET) == 0
+    covered = []
+    if namespaces:
+        _mount(None, "/", None, _MS_REC | _MS_PRIVATE)  # nothing done here reaches the host
+        covered = _expose([*paths, scratch], uid, gid)
+    for folder, dirs, files in os.walk(scratch):
+        for name in (folder, *(os.path.join(folder, n) for n in dirs + files)):
+            os.lchown(name, uid, gid)
+    for cap in range(64):
+        if _libc.prctl(_PR_CAPBSET_DROP, cap, 0, 0, 0) != 0 and ctypes.get_errno() == errno.EINVAL:
+            break  # past the last capability this kernel knows
+    _libc.prctl(_PR_CAP_AMBIENT, _PR_CAP_AMBIENT_CLEAR_ALL, 0, 0, 0)
+    os.setgroups([])
+    os.setresgid(gid, gid, gid)
+    parent = os.getppid()
+    os.setresuid(uid, uid, uid)
+    _libc.prctl(_PR_SET_DUMPABLE, 1, 0, 0, 0)
+    # A change of credentials clears the parent-death signal: asked again, so that the process
+    # still dies with the one that started it (and at once if that one is already gone).
+    _libc.prctl(_PR_SET_PDEATHSIG, 9, 0, 0, 0)
+    if os.getppid() != parent:
+        os._exit(0)
+    left = _caps_left()
+    if os.getuid() == 0 or os.geteuid() == 0 or left.get("CapPrm") or left.get("CapEff"):
+        raise OSError(errno.EPERM, f"still privileged after the drop: uid {os.getuid()}, {left}")
+    where = f"; own mount and network namespaces{', covered ' + ', '.join(covered) if covered else ''}" \
+        if namespaces else "; no namespaces of its own (/proc/<pid>/net shows the host's)"
+    return f"uid {uid} gid {gid}, no capabilities{where}"
+
