@@ -385,9 +385,8 @@ def bench_without_gpu(load, console, reference=ROOT / "solutions"):
     bandwidth report needs a GPU, then prints each drill's (`load()`) traffic line for the reference
     (tests/_traffic.py: its traffic case with every load and store counted, no test run;
     the line is kept in .drills/ once counted, as the grade keeps it). Exit status 0."""
-    console.print("bandwidth: needs a GPU; here kernels run in Triton's CPU interpreter. The reference's traffic "
-                  "lines instead (bytes counted on each drill's traffic case, no test run):", markup=False,
-                  highlight=False)
+    console.print("bandwidth: needs a GPU (kernels run in Triton's CPU interpreter here); the reference's traffic "
+                  "lines instead, no test run:", markup=False, highlight=False)
     import _traffic  # numpy and torch: after the first line
     for drill in load():
         if drill.traffic is None:
