@@ -39,7 +39,7 @@ def window_prefill_kernel(
     be dead (garbage). Change the parameters as you like: only the wrapper calls it.
     """
     # TODO(l8): your prefill kernel (content/l8.md §5 and §6; hints: make hint DRILL=l8).
-    raise NotImplementedError("window_prefill_kernel is not written yet: see content/l8.md §5")
+    raise NotImplementedError("window_prefill_kernel is not written yet: see content/l8.md §5 and §6")
 
 
 def paged_prefill_attention_window(query, k_cache, v_cache, block_table, query_start_loc, seq_lens, window_left,
@@ -56,10 +56,10 @@ def paged_prefill_attention_window(query, k_cache, v_cache, block_table, query_s
     no value; -inf means no sink. Entries of blocks wholly before the window of a sequence's
     first new token may be garbage: never use them as block numbers, never refuse them.
     Raise ValueError, naming the argument, for L3's bad inputs and for a window_left or
-    sinks that breaks the above (content/l8.md §5).
+    sinks that breaks the above (content/l8.md §8).
     """
-    # TODO(l8): check the inputs, then launch your kernel (content/l8.md §5).
-    raise NotImplementedError("paged_prefill_attention_window is not written yet: see content/l8.md §5")
+    # TODO(l8): check the inputs, then launch your kernel (content/l8.md §8).
+    raise NotImplementedError("paged_prefill_attention_window is not written yet: see content/l8.md §8")
 
 
 @triton.jit
@@ -72,20 +72,20 @@ def window_decode_kernel(
 ):
     """L4's phase 1 over the window: each split attends to its share of the keys
     [seq_len - 1 - window, seq_len - 1] and stores its partial output and natural-log
-    log-sum-exp; the sink joins exactly one split's (content/l8.md §6 and §7). A split
+    log-sum-exp; the sink joins exactly one split's (content/l8.md §5 and §6). A split
     with no key stores an output of 0 and a log-sum-exp of -inf, never NaN.
     """
-    # TODO(l8): your decode kernel (content/l8.md §6 and §7).
-    raise NotImplementedError("window_decode_kernel is not written yet: see content/l8.md §6")
+    # TODO(l8): your decode kernel (content/l8.md §5 and §6).
+    raise NotImplementedError("window_decode_kernel is not written yet: see content/l8.md §5 and §6")
 
 
 @triton.jit
 def merge_kernel(out_ptr, parts_ptr, lse_ptr, out_stride, NUM_HEADS, NUM_PARTS: tl.constexpr,
                  PARTS_PAD: tl.constexpr, HEAD_SIZE: tl.constexpr, D_PAD: tl.constexpr):
     """L4's phase 2: merge each (sequence, head)'s parts by their log-sum-exps into out
-    (content/l8.md §7). Parts of log-sum-exp -inf weigh nothing, whatever their v."""
-    # TODO(l8): your merge (content/l8.md §7).
-    raise NotImplementedError("merge_kernel is not written yet: see content/l8.md §7")
+    (content/l8.md §6). Parts of log-sum-exp -inf weigh nothing, whatever their v."""
+    # TODO(l8): your merge (content/l8.md §6).
+    raise NotImplementedError("merge_kernel is not written yet: see content/l8.md §6")
 
 
 def paged_decode_attention_window(query, k_cache, v_cache, block_table, seq_lens, window_left, sinks=None,
@@ -97,7 +97,7 @@ def paged_decode_attention_window(query, k_cache, v_cache, block_table, seq_lens
     and sinks of paged_prefill_attention_window. The sink joins the denominator exactly
     once, whatever the number of splits; a split with no key of the window contributes
     nothing and never NaN. Entries of blocks wholly before seq_len - 1 - window_left may be
-    garbage: never use them as block numbers, never refuse them (content/l8.md §5).
+    garbage: never use them as block numbers, never refuse them (content/l8.md §8).
     """
-    # TODO(l8): check the inputs, launch phase 1, then merge (content/l8.md §5-§7).
-    raise NotImplementedError("paged_decode_attention_window is not written yet: see content/l8.md §5")
+    # TODO(l8): check the inputs, launch phase 1, then merge (content/l8.md §6 and §8).
+    raise NotImplementedError("paged_decode_attention_window is not written yet: see content/l8.md §8")

@@ -277,17 +277,17 @@ _VALUE_CHECKS = ("q_len > seq_len", "block number")
 def test_rejects_bad_input(drill, device, what):
     if what.startswith(_VALUE_CHECKS) and device != "cpu":
         pytest.skip("on a GPU the values of seq_lens and the block table are not checked: it would cost a device "
-                    "sync (content/l8.md §5)")
+                    "sync (content/l8.md §8)")
     kind, args, kwargs = _bad_inputs(device)[what]
     function = drill.paged_decode_attention_window if kind == "decode" else drill.paged_prefill_attention_window
-    with expect_value_error(what, "content/l8.md §5"):
+    with expect_value_error(what, "content/l8.md §8"):
         function(*args, **kwargs)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a second device type")
 def test_rejects_sinks_on_another_device(drill):
     case = _decode("cuda", [4, 6], 2, out=False)
-    with expect_value_error("sinks on the CPU with the rest on the GPU", "content/l8.md §5"):
+    with expect_value_error("sinks on the CPU with the rest on the GPU", "content/l8.md §8"):
         drill.paged_decode_attention_window(*case.args(), sinks=case.sinks.cpu())
 
 

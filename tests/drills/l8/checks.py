@@ -1,5 +1,5 @@
 """Drill L8's check of both functions' outputs against the float64 reference, and its
-diagnosis: which token is off and which mistake of content/l8.md §9 reproduces it."""
+diagnosis: which token is off and which mistake of content/l8.md §10 reproduces it."""
 import math
 
 import torch
@@ -16,7 +16,7 @@ def check_window(case, out, returned=None):
     head): the out= contract first, then non-finite outputs as such, then wrong values
     explained by the mistake that reproduces them (§9), a pitfall named only on evidence
     no simpler story fits."""
-    out = output_of(out, returned, case.query, case.function, "content/l8.md §5")
+    out = output_of(out, returned, case.query, case.function, "content/l8.md §8")
     got, want = out.double().cpu(), case.reference()
     atol, rtol = TOLERANCE[case.query.dtype]
     explain_token_rows(got, want, atol, rtol, lambda got: _explain_non_finite(case, got, atol, rtol),
@@ -108,7 +108,7 @@ def _explain_wrong(case, got, want, wrong, atol, rtol):
                   "it matches query head h reading KV head h % H_kv instead of h // group"))
     for compute, tag, text in named:
         if reproduces(got, want, compute(), atol, rtol, wrong):
-            return text + (f" (pitfall:{tag}, {SECTION})" if tag else " (content/l8.md §5)"), tag
+            return text + (f" (pitfall:{tag}, {SECTION})" if tag else " (content/l8.md §8)"), tag
     return _describe_wrong(case, got, want, wrong, atol, rtol), None
 
 
@@ -124,11 +124,11 @@ def _describe_wrong(case, got, want, wrong, atol, rtol):
                 far_from(want, alt, atol, rtol).any(dim=-1).any(dim=-1)
     if bool(near[rows].all()):
         return (f"{head}; each wrong query matches a window one key longer or shorter, on some queries only: "
-                f"look at where the window starts in each tile and split (content/l8.md §5)")
+                f"look at where the window starts in each tile and split (content/l8.md §8)")
     heads = wrong.any(dim=0)
     if not bool(heads.all()):
-        return f"{head}; only query heads {heads.nonzero().flatten().tolist()} are wrong (content/l8.md §5)"
-    return f"{head}; it matches none of the usual mistakes (content/l8.md §9)"
+        return f"{head}; only query heads {heads.nonzero().flatten().tolist()} are wrong (content/l8.md §8)"
+    return f"{head}; it matches none of the usual mistakes (content/l8.md §10)"
 
 
 def _describe(case):

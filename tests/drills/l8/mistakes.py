@@ -1,8 +1,8 @@
-"""Drill L8's planted mistakes: the pitfalls content/l8.md §9 names and the other wrong
+"""Drill L8's planted mistakes: the pitfalls content/l8.md §10 names and the other wrong
 kernels, each by exact edits of solutions/l8_sliding_window.py; PLANTED, what the diagnosis reads."""
 from _drill import Mistake, Pitfall, Planted
 
-SECTION = "content/l8.md §9"
+SECTION = "content/l8.md §10"
 
 _PREFILL_SEED = "m, l = _seed(sinks_ptr, heads, row_live, USE_SINKS, BLOCK_M)"
 _DECODE_SEED = "m, l = _seed(sinks_ptr, heads, rows < tl.where(split == 0, GROUP, 0), USE_SINKS, GROUP_PAD)"

@@ -79,7 +79,7 @@ def traffic(module):
     if before:
         where.append(f"K/V rows of {len(before)} blocks wholly before the window were loaded (the worker's count): "
                      f"tiles before the window loaded and then masked are right in value and cost the context, not "
-                     f"the window (content/l8.md §9, tiles_outside_window_loaded)")
+                     f"the window (content/l8.md §10, tiles_outside_window_loaded)")
     elif kv > 1.05:
         where.append(f"K and V are read {kv:.2f}× what the window holds: each key of the window once, per KV head")
     result["where"] = where + result["where"]
