@@ -4,9 +4,9 @@ it); the shared layer never does. A drill is its own folder, tests/drills/<id>/,
 __init__.py builds its entry (`DRILL`); adding a drill is adding it to the import and
 the tuple below.
 """
-from drills import e1, f1, l1, l2, l3, l4, l5, l6, l7, l8
+from drills import e1, e2, f1, l1, l2, l3, l4, l5, l6, l7, l8
 
-DRILLS = (l1.DRILL, l2.DRILL, l3.DRILL, f1.DRILL, l4.DRILL, l5.DRILL, l6.DRILL, l7.DRILL, l8.DRILL, e1.DRILL)
+DRILLS = (l1.DRILL, l2.DRILL, l3.DRILL, f1.DRILL, l4.DRILL, l5.DRILL, l6.DRILL, l7.DRILL, l8.DRILL, e1.DRILL, e2.DRILL)
 
 BY_ID = {d.id: d for d in DRILLS}
 BY_STEM = {d.stem: d for d in DRILLS}
