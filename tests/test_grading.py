@@ -359,11 +359,9 @@ def test_an_edit_during_grading_touches_only_the_drill_whose_file_it_is(tmp_path
     files = {d: tmp_path / f"{d}.py" for d in ("l1", "l2")}
     for path in files.values():
         path.write_text("x = 1\n")
-    front = load_front()
-    monkeypatch.setattr(front._integrity, "graded_files", lambda drill, tree, stems: [files[drill.id]])
-    monkeypatch.setattr(front._integrity, "snapshot", lambda: {})
-    monkeypatch.setattr(front._integrity, "integrity", lambda before=None: (True, "unchanged"))
-    monkeypatch.setattr("_tree.load_front", lambda: front)
+    monkeypatch.setattr(_integrity, "graded_files", lambda drill, tree, stems: [files[drill.id]])
+    monkeypatch.setattr(_integrity, "snapshot", lambda: {})
+    monkeypatch.setattr(_integrity, "integrity", lambda before=None: (True, "unchanged"))
     passed = {d: dict(_failing(BY_ID[d]), status="passed", passed=1, failed=0, first_failure=None) for d in files}
     for saved, want in (("l2", ["passed", "passed"]), ("l1", ["edited during grading", "passed"])):
         out = io.StringIO()
