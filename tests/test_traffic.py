@@ -18,7 +18,7 @@ from _worker import WORKER, tree_module
 
 pytestmark = pytest.mark.skipif(not _env.INTERPRET, reason="bytes are counted only under the CPU interpreter")
 
-L1, L2, L3, L4, F1 = (find_drill(d) for d in ("l1", "l2", "l3", "l4", "f1"))
+L1, L2, L3, L4, F1, L8 = (find_drill(d) for d in ("l1", "l2", "l3", "l4", "f1", "l8"))
 
 
 @triton.jit
@@ -113,7 +113,7 @@ def test_on_a_gpu_nothing_is_counted_and_nothing_runs(monkeypatch):
 # --- the references: the fewest bytes their pages count -----------------------------
 
 
-@pytest.mark.parametrize("entry", [L1, L2, L3, L4, F1], ids=lambda d: d.id)
+@pytest.mark.parametrize("entry", [L1, L2, L3, L4, F1, L8], ids=lambda d: d.id)
 def test_the_reference_moves_the_fewest_bytes(entry):
     assert entry.traffic is not None, f"{entry.id} has no traffic case"
     """On the drill's traffic case (its bench case shrunk), the reference loads and stores
@@ -207,8 +207,8 @@ def test_l1_a_count_rewriting_kernel_that_reads_padding_rows_gains_no_pass(tmp_p
     worker's load counts. The read-side test passes or fails on the values alone, so the
     same with the rewrite as without (the right write passes, the other fails); the counts
     only explain (the honest failure names padding_written from them, its status said) and
-    advise (the honest reader's traffic report). A count changes no verdict, so rewriting
-    one gains nothing."""
+    advise (the honest reader's traffic report names its reads: the test above). A count
+    changes no verdict, so rewriting one gains nothing."""
     from _traffic import COUNTS_WORD
     from _worker import TreeModule, Worker
     from drills.l1 import check_padding_not_read, random_kv_write_case
@@ -228,9 +228,7 @@ def test_l1_a_count_rewriting_kernel_that_reads_padding_rows_gains_no_pass(tmp_p
             honest, forger = _planted(L1, edits, tmp_path / f"honest-{name}"), TreeModule(forged[name], L1.stem, worker)
             verdicts = [_graded(check_padding_not_read, module, case()) for module in (honest, forger)]
             assert [v[0] for v in verdicts] == ["failed" if name == "writes" else "passed"] * 2, verdicts
-            if name == "reads":  # the counts differ: advice only
-                assert "padding" in _said(L1.traffic(honest)) and "padding" not in _said(L1.traffic(forger))
-            else:  # the honest counts explain the failure too, naming the pitfall, their status said
+            if name == "writes":  # the honest counts explain the failure too, naming the pitfall, their status said
                 assert "padding_written" in verdicts[0][1] and COUNTS_WORD in verdicts[0][2], verdicts[0]
                 assert COUNTS_WORD not in verdicts[1][2]  # the forger's counts show no read: nothing to add
     finally:
@@ -280,6 +278,28 @@ def test_l3_and_l4_loading_the_whole_table_row_pass_their_test_and_are_reported(
     for tree in (tree_module("solutions", entry.stem), planted):
         assert module.check_table_read_only_to_last_block(tree, case())
     assert "garbage" in _said(entry.traffic(planted))
+
+
+def test_l8_reference_reads_no_kv_row_before_the_window_and_loading_them_is_reported(tmp_path):
+    """design.md: no K/V row of a block before the window of a program's queries is read (the
+    cost follows the window). Counted under the interpreter on the reference, prefill and
+    decode; a kernel that loads the tiles before the window and masks their scores is right
+    here (every block of the traffic case is live) and its traffic line says what it read."""
+    from drills.l8 import check_window
+    from drills.l8.traffic import measured, rows_read_before_window, traffic_case
+    reference = tree_module("solutions", L8.stem)
+    for decode in (True, False):
+        case = traffic_case(decode=decode)
+        _, counted = measured(reference, case)
+        assert rows_read_before_window(case, counted) == [], case.function
+    module = _planted(L8, L8.pitfalls["tiles_outside_window_loaded"].edits, tmp_path)
+    for decode in (True, False):
+        case = traffic_case(decode=decode)
+        check_window(case, case.call(module))  # right values
+        _, counted = measured(module, case)
+        assert rows_read_before_window(case, counted), case.function
+    result = L8.traffic(module)
+    assert any("wholly before the window" in w for w in result["where"]) and result["parts"]["K/V"] > 2, result
 
 
 def _l2_right(module):
