@@ -4,7 +4,7 @@ made beside the learner's code: the worker's word, advice in the report, never a
 (the tests decide on values, which the NaN-filled dead blocks make show the same mistake)."""
 from _drill import ELEMENT_SIZE
 from _paged import DTYPES
-from _traffic import Part, measure, report, was_read
+from _traffic import COUNTS_WORD, Part, measure, report, was_read
 
 from .bench import window_bytes
 from .cases import window_case
@@ -77,9 +77,10 @@ def traffic(module):
     where = []
     before = rows_read_before_window(case, counted)
     if before:
-        where.append(f"K/V rows of {len(before)} blocks wholly before the window were loaded (the worker's count): "
-                     f"tiles before the window loaded and then masked are right in value and cost the context, not "
-                     f"the window (content/l8.md §10, tiles_outside_window_loaded)")
+        where.append(f"K/V rows of {len(before)} blocks wholly before the window were loaded ({COUNTS_WORD}): "
+                     f"tiles before the window loaded and then masked are right in value here, where those blocks "
+                     f"are live, and cost the context, not the window (content/l8.md §10, "
+                     f"tiles_outside_window_loaded)")
     elif kv > 1.05:
         where.append(f"K and V are read {kv:.2f}× what the window holds: each key of the window once, per KV head")
     result["where"] = where + result["where"]
