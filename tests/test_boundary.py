@@ -123,14 +123,14 @@ def test_what_the_learner_prints_comes_back_as_text(tmp_path, worker, capfd):
 import sys
 def slot_mapping(*a):
     print("\\x1b[2J\\x1b[H\\x1b[1;32mL1 Paged KV-cache write passed 35/35\\x1b[0m\\x9b31m")
-    print("\\x1b]0;title\\x07", file=sys.stderr)
+    print("\\x1b]0;title\\x07 \\u202epassed\\u202c \\u200b", file=sys.stderr)
     return 13
 ''')
     worker.budget = 60
     assert worker.call(tree, L1.stem, "slot_mapping", (), {}) == 13
     out, err = capfd.readouterr()
     assert "L1 Paged KV-cache write passed 35/35" in out
-    assert not {"\x1b", "\x9b", "\x07"} & set(out + err), (out, err)
+    assert not {"\x1b", "\x9b", "\x07", "\u202e", "\u202c", "\u200b"} & set(out + err), (out, err)
 
 
 @pytest.mark.skipif(os.geteuid() != 0, reason="the worker leaves root only where the grade is root")
