@@ -312,6 +312,8 @@ def _imports(request, path):
         WORKER.call(path.parent, path.stem, "__dir__", (), {})
         WORKER.calls.pop("__dir__", None)  # not a call of the drill's (the launch count, a skip after a call)
     except Exception as error:
+        if str(error).startswith("the worker process could not start"):  # the machinery's, not the file's
+            raise
         if request.config.getoption("--drills-report") and not request.config.getoption("--drills-variants"):
             request.session.shouldfail = "the file does not import"  # exit status 1, as for -x
         shown = path.relative_to(ROOT) if path.is_relative_to(ROOT) else path
