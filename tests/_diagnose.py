@@ -15,6 +15,7 @@ The rules every check follows, so that the grade never lies:
 import re
 from contextlib import contextmanager
 
+import pytest
 import torch
 
 import _env
@@ -41,9 +42,13 @@ class Mismatch(AssertionError):
 REFUSED = []
 
 
-class DoesNotImport(Exception):
+class DoesNotImport(pytest.fail.Exception):
     """The learner's file does not import (tests/_plugin.py asks before any test of its drill
-    runs): one line saying so, then the line and a caret under where it stopped."""
+    runs): one line saying so, then the line and a caret under where it stopped. A pytest
+    failure without a traceback: a learner running pytest reads the message alone."""
+
+    def __init__(self, message):
+        super().__init__(message, pytrace=False)
 
 
 def does_not_import(path, error):
