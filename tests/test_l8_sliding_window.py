@@ -137,14 +137,14 @@ def test_sink_belongs_to_the_query_head(drill, device, num_heads, num_kv_heads):
 
 
 @pytest.mark.pitfall("sink_every_split")
-@pytest.mark.parametrize("num_splits", [1, 2, 5])
+@pytest.mark.parametrize("num_splits", [2, 5])
 def test_sink_counted_once_whatever_num_splits(drill, device, num_splits):
     """pitfall:sink_every_split: the merge of the splits must count the sink once."""
     run(drill, _decode(device, [40, 70, 9], 7, num_splits=num_splits, sinks=_SINKS, seed=15))
 
 
 @pytest.mark.pitfall("split_outside_window_nan")
-@pytest.mark.parametrize("num_splits", [2, 3])
+@pytest.mark.parametrize("num_splits", [3])
 def test_split_with_no_key_of_the_window_is_empty_not_nan(drill, device, num_splits):
     """pitfall:split_outside_window_nan: splits cut the window; sequence 1's window is its 4
     keys, so all but its first split hold no key and must add nothing, never NaN. Sequence
@@ -190,11 +190,12 @@ def test_first_live_tile_reads_no_dead_entry(drill, device):
     run(drill, _prefill(device, [40, 1], [40, 5], 9, num_heads=8, num_kv_heads=2, dead="nan", seed=23))
 
 
-@pytest.mark.pitfall("dead_entries_as_block_numbers")
 @pytest.mark.parametrize("dead", ["-1", "huge", "other"])
 def test_dead_entries_are_never_block_numbers(drill, device, dead):
     """design.md: entries of blocks wholly before the window may be -1, huge or another
-    sequence's block: never used as block numbers, and no input check may raise on them."""
+    sequence's block: never used as block numbers, and no input check may raise on them.
+    (Not marked with pitfall:dead_entries_as_block_numbers: the NaN case above singles it
+    out; a crash here is said as a crash, with what it usually means.)"""
     run(drill, _prefill(device, [6, 1, 3], [37, 22, 50], 9, dead=dead, seed=24))
     run(drill, _decode(device, [37, 22, 50], 9, dead=dead, num_splits=3, seed=25))
 
