@@ -5,10 +5,14 @@ the bench's count, the self-tests' answers); PAGE_CHECKS in the order the drill 
 import math
 
 from _pages import section
-from _tree import ROOT
+from _traffic import check_page_line
+from _tree import ROOT, load_drill
+from _wrong import folder, plant_edits
 
 from .bench import BENCH, window_keys
 from .cases import WINDOW_EXAMPLE, example_case, example_outputs
+from .mistakes import PLANTED
+from .traffic import traffic
 
 
 def _shows(text, *values):
@@ -74,6 +78,11 @@ def check_roofline(text):
     measured = (ROOT / "BENCHMARKS.md").read_text()
     for quoted in ("3023", "10.23 µs", "57.6 %", "1425.25 µs", "139×"):
         assert quoted in measured and quoted in body, f"{quoted} should stand in BENCHMARKS.md and in §7"
+    check_page_line(body, "l8", traffic(load_drill("solutions", "l8_sliding_window")))
+    if traffic(load_drill("solutions", "l8_sliding_window")) is not None:  # counted under the interpreter only
+        tree = plant_edits(PLANTED, PLANTED.pitfalls["tiles_outside_window_loaded"].edits, folder() / "l8-page")
+        wasteful = traffic(load_drill(tree, PLANTED.stem))
+        assert f"K/V 一项会到 {wasteful['parts']['K/V']:.2f}×" in body, wasteful["line"]
 
 
 def check_self_tests(text):
