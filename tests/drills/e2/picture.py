@@ -12,7 +12,6 @@ from .cases import WORKED_EXAMPLE
 def picture(module, console):
     ex = WORKED_EXAMPLE
     ops = list(ex["ops"])
-    live = [op[1] for op in ops if op[0] == "allocate" and op[1] != "A"] + ["A"]
     probe = ops[:2] + [("block_table", ["A", "B"])] + ops[2:] + [("block_table", ["B", "C"])]
     try:
         got = module.replay_prefix_cache(ex["num_blocks"], ex["block_size"], probe)
