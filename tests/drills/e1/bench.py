@@ -17,6 +17,7 @@ import torch
 
 from _drill import BenchCase
 from _chat import NotingKernels, Ticker, describe, reuse_line, shown, template, text_of, token_lists, watching
+from _render import clean_text
 from _tree import parameters, tree_path
 from _worker import TIMEOUT, LearnerCrash, LearnerTimeout, reset_all, tree_module
 
@@ -379,7 +380,8 @@ def serve(engine, model, ids, tokens, kernels, budget, stats=False, **options):
         return failed(error, f"serving {NAME}")
     replies, extra = result if stats and isinstance(result, tuple) and len(result) == 2 else (result, None)
     if not token_lists(replies, len(ids)):
-        print(f"your engine returned {str(result)[:200]}, not one list of token ids per prompt (content/e1.md §1)")
+        print(f"your engine returned {clean_text(str(result)[:200])}, not one list of token ids per prompt "
+              f"(content/e1.md §1)")
         return 1
     return replies, time.monotonic() - started, extra
 
@@ -403,7 +405,9 @@ def load(folder):
 
 def failed(error, doing):
     where = getattr(error, "where", None)
-    print(f"your engine failed {doing}: {type(error).__name__}: {error}" + (f"\n  at {where}" if where else ""))
+    # The learner's exception and where it rose are its text: no escape sequence reaches the terminal.
+    said = f"your engine failed {doing}: {type(error).__name__}: {error}" + (f"\n  at {where}" if where else "")
+    print(clean_text(said))
     return 1
 
 
@@ -436,8 +440,8 @@ def not_written(error, tree, kernels):
             print(f"{name} not written yet ({shown(kernels)}/): the engine runs on it. Pass {name} first, or chat on "
                   f"the reference kernels: make chat KERNELS=solutions")
             return 0
-    print(f"E1 not written yet: {shown(tree)}/{STEM}.py raises NotImplementedError ({error}). Read content/e1.md; "
-          f"meanwhile `make chat TREE=solutions` shows the reference engine")
+    print(f"E1 not written yet: {shown(tree)}/{STEM}.py raises NotImplementedError ({clean_text(str(error))}). "
+          f"Read content/e1.md; meanwhile `make chat TREE=solutions` shows the reference engine")
     return 0
 
 
