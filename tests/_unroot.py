@@ -116,7 +116,9 @@ def drop_root(paths, scratch, user, trees=()):
                                         f"learner's code runs as uid {uid}, not root: chmod o+rx it (and its "
                                         f"files o+r), or grade as its owner")
     os.umask(0o022)
-    namespaces = _libc.unshare(_CLONE_NEWNS | _CLONE_NEWNET) == 0
+    net = namespaces = _libc.unshare(_CLONE_NEWNS | _CLONE_NEWNET) == 0
+    if not namespaces:  # a kernel or container without network namespaces: the mount one alone
+        namespaces = _libc.unshare(_CLONE_NEWNS) == 0
     covered = []
     if namespaces:
         _mount(None, "/", None, _MS_REC | _MS_PRIVATE)  # nothing done here reaches the host
@@ -141,7 +143,8 @@ def drop_root(paths, scratch, user, trees=()):
     left = _caps_left()
     if os.getuid() == 0 or os.geteuid() == 0 or left.get("CapPrm") or left.get("CapEff"):
         raise OSError(errno.EPERM, f"still privileged after the drop: uid {os.getuid()}, {left}")
-    where = f"; own mount and network namespaces{', covered ' + ', '.join(covered) if covered else ''}" \
-        if namespaces else "; no namespaces of its own (/proc/<pid>/net shows the host's)"
+    where = (f"; own mount{' and network' if net else ''} namespace{'s' * net}"
+             f"{', covered ' + ', '.join(covered) if covered else ''}" if namespaces else "; no namespace of its own")
+    where += "" if net else " (/proc/<pid>/net shows the host's sockets)"
     return f"uid {uid} gid {gid}, no capabilities{where}"
 
