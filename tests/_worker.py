@@ -126,7 +126,9 @@ class Worker:
 
     def prepare(self, readable=(), preload=()):
         """Start the worker now (it boots while the tests go on) for these trees."""
-        wanted = self.readable | {str(p) for p in readable}
+        # A tree an earlier test removed (its temporary folder) is dropped: the sandbox of the next
+        # worker could not grant a path that no longer exists, and nothing needs it any more.
+        wanted = frozenset({p for p in self.readable if os.path.exists(p)} | {str(p) for p in readable})
         preload = tuple(dict.fromkeys(self.preload + tuple(preload)))
         if wanted != self.readable or preload != self.preload:
             self.stop()
