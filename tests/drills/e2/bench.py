@@ -51,12 +51,14 @@ def decode_floor_bytes(p=PARAMS, shape=MODEL, size=2):
                         size=size) + kv_token * (p["system"] + p["num_seqs"] * own)
 
 
-def _timed(fn):
+def _timed(fn, what=""):
     torch.cuda.synchronize()
     start = time.perf_counter()
     out = fn()
     torch.cuda.synchronize()
-    return time.perf_counter() - start, out
+    seconds = time.perf_counter() - start
+    print(f"{what or getattr(fn, '__name__', 'run')}: {seconds:.3f} s", file=sys.stderr, flush=True)  # kept if cut short
+    return seconds, out
 
 
 def measure(module, device="cuda", start=None, extras=True):
@@ -77,28 +79,29 @@ def measure(module, device="cuda", start=None, extras=True):
             ids = torch.tensor(prompts, device=device)
             model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=p["new"],
                            min_new_tokens=p["new"], do_sample=False)
-    for fn in (hf, engine(True), engine(False)):
-        _timed(fn)  # warm: compiles, captures, prepares every shape
+    for what, fn in (("warm generate", hf), ("warm on", engine(True)), ("warm off", engine(False))):
+        _timed(fn, what)  # warm: compiles, captures, prepares every shape
     ceiling = start() if start else copy_ceiling_gbps()
-    theirs, _ = _timed(hf)
-    on, (_, stats) = _timed(engine(True))
-    off, (_, stats_off) = _timed(engine(False))
+    theirs, _ = _timed(hf, "generate")
+    on, (_, stats) = _timed(engine(True), "caching on")
+    off, (_, stats_off) = _timed(engine(False), "caching off")
+    print(f"stats on {stats}, off {stats_off}", file=sys.stderr, flush=True)
     result = dict(on_tokens_per_s=round(tokens / on), off_tokens_per_s=round(tokens / off),
                   transformers_tokens_per_s=round(tokens / theirs), on_over_off=round(off / on, 2),
                   on_over_transformers=round(theirs / on, 2), stats_on=stats, stats_off=stats_off,
                   computed_share=round(stats["computed_prompt_tokens"] / stats["prompt_tokens"], 4))
     if not extras:
         return result
-    one, _ = _timed(engine(True, new=1))
+    one, _ = _timed(engine(True, new=1), "caching on, 1 new token")
     step = (on - one) / (p["new"] - 1)
     result.update(decode_step_ms=round(step * 1e3, 3), decode_floor_ms=round(decode_floor_bytes() / ceiling / 1e6, 3),
                   prefill_s=round(one, 3), ceiling_gbps=round(ceiling))
     result.update(ttft(module, engine(True)))
     chats, c = chat_prompts(), CHATS
     chat_tokens = len(chats) * c["new"]
-    _timed(engine(True, c["new"], chats, c["budget"]))
-    chat_on, (_, chat_stats) = _timed(engine(True, c["new"], chats, c["budget"]))
-    chat_off, _ = _timed(engine(False, c["new"], chats, c["budget"]))
+    _timed(engine(True, c["new"], chats, c["budget"]), "warm chats")
+    chat_on, (_, chat_stats) = _timed(engine(True, c["new"], chats, c["budget"]), "chats on")
+    chat_off, _ = _timed(engine(False, c["new"], chats, c["budget"]), "chats off")
     result.update(chat_on_tokens_per_s=round(chat_tokens / chat_on), chat_off_tokens_per_s=round(chat_tokens / chat_off),
                   chat_reuse=round(chat_stats["reused_prompt_tokens"] / chat_stats["prompt_tokens"], 4),
                   chat_stats=chat_stats)
@@ -127,7 +130,7 @@ def ttft(module, run):
     module.Scheduler.schedule, module._prefix_len = noting, timing_rule
     try:
         started.append(time.perf_counter())
-        total, _ = _timed(run)
+        total, _ = _timed(run, "ttft run")
     finally:
         module.Scheduler.schedule, module._prefix_len = schedule, rule
     times = sorted(first.values())
