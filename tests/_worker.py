@@ -126,8 +126,7 @@ class Worker:
 
     def prepare(self, readable=(), preload=()):
         """Start the worker now (it boots while the tests go on) for these trees."""
-        # A tree an earlier test removed (its temporary folder) is dropped: the sandbox of the next
-        # worker could not grant a path that no longer exists, and nothing needs it any more.
+        # A tree an earlier test removed is dropped: no sandbox can grant a path that is gone.
         wanted = frozenset({p for p in self.readable if os.path.exists(p)} | {str(p) for p in readable})
         preload = tuple(dict.fromkeys(self.preload + tuple(preload)))
         if wanted != self.readable or preload != self.preload:

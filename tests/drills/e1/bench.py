@@ -18,7 +18,7 @@ import torch
 from _drill import BenchCase
 from _chat import NotingKernels, Ticker, describe, reuse_line, shown, template, text_of, token_lists, watching
 from _render import clean_text
-from _tree import parameters, tree_path
+from _tree import load_drill, parameters, tree_path
 from _worker import TIMEOUT, LearnerCrash, LearnerTimeout, reset_all, tree_module
 
 from .cases import (NAME, PRELOAD, WRITES, cached_smollm2, install_hint, kernels_tree, load_folder, load_smollm2,
@@ -405,9 +405,8 @@ def load(folder):
 
 def failed(error, doing):
     where = getattr(error, "where", None)
-    # The learner's exception and where it rose are its text: no escape sequence reaches the terminal.
     said = f"your engine failed {doing}: {type(error).__name__}: {error}" + (f"\n  at {where}" if where else "")
-    print(clean_text(said))
+    print(clean_text(said))  # the learner's exception and where it rose are its text: no escape reaches the terminal
     return 1
 
 
@@ -447,7 +446,5 @@ def not_written(error, tree, kernels):
 
 if __name__ == "__main__":  # the benches by hand; `make chat` is grader.py chat
     import json
-
-    from _tree import load_drill
     shape, params = (SMOLLM2_SHAPE, SMOLLM2_PARAMS) if sys.argv[1:2] == ["smollm2-shape"] else (MODEL, _PARAMS)
     print(json.dumps(measure(load_drill("solutions", "e1_paged_engine"), params=params, shape=shape)))
