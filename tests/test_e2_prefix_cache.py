@@ -188,13 +188,23 @@ def shared(drill, kernels):
     return case
 
 
-@pytest.mark.pitfall("cascade_prefix_too_long")
 @pytest.mark.mistake("cascade_never_used")
 def test_shared_system_prompt(drill, kernels, shared):
     """Caching on: the tokens of generate, the system prompt computed once, cascade in every
     step the batch shares a prefix (L6's rule, checked step by step), L3 in the others."""
     tokens, stats, _ = run_generate(drill, shared, kernels)  # a prefix past L6's rule is named from the calls
     assert 0 < stats["cascade_steps"] < stats["steps"], f"fixture: cascade and L3 steps both {stats}"
+
+
+@pytest.mark.pitfall("cascade_prefix_too_long")
+def test_cascade_prefix_is_capped_by_what_each_request_had_cached(drill, kernels):
+    """Two prompts on one 16-token system prompt, blocks of 4, a budget of 12: the second is
+    admitted while the first still prefills its last 8 tokens and reuses its 4 system blocks.
+    The rows share 4 block-table columns, but the first had only 12 tokens cached before the
+    step: L6's rule gives 12, and a longer prefix lets its queries see keys after them."""
+    case = prefix_case(16, [4, 4], 1, block_size=4, budget=12, seed=9, model=tiny_model(seed=9, layers=1))
+    _, stats, _ = run_generate(drill, case, kernels)
+    assert stats["cascade_steps"] >= 1, f"fixture: this case attends through cascade ({stats})"
 
 
 @pytest.mark.mistake("caching_always_on")
