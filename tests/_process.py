@@ -39,7 +39,7 @@ def die_with_parent():
 # keys, SSH_AUTH_SOCK).
 ENV_KEEP = ("PATH", "LANG", "LANGUAGE", "TZ", "LD_LIBRARY_PATH", "OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS",
             "MKL_NUM_THREADS", "OPENBLAS_CORETYPE", "OPENBLAS_L2_SIZE", "DRILLS_KERNELS",
-            "DRILLS_WORKER_UID")  # tests/_sandbox.py's: the uid a confined process takes where the grade is root
+            "DRILLS_WORKER_UID", "DRILLS_GPU_LEAVE_ROOT")  # tests/_unroot.py's: whether and as whom root is left
 ENV_PREFIXES = ("LC_", "CUDA_", "NVIDIA_", "TRITON_")
 
 

@@ -83,7 +83,7 @@ import shutil
 import sys
 
 import _seccomp
-from _unroot import WORKER_UID, drop_root, worker_user  # noqa: F401  -- WORKER_UID: tests/_grading.py's
+from _unroot import WORKER_UID, drop_root, gpu_host, worker_user  # noqa: F401  -- WORKER_UID, gpu_host: others'
 
 # System call numbers: the same on x86_64 and aarch64 (the generic table).
 _SYS_CREATE_RULESET, _SYS_ADD_RULE, _SYS_RESTRICT_SELF = 444, 445, 446
@@ -400,7 +400,8 @@ def describe():
     have = status()
     why = "kernel without seccomp" if not _seccomp.kernel_has_seccomp() else "libseccomp or pyseccomp missing"
     user = worker_user()
-    as_user = (f" + not root (uid {user[0]})" if os.environ.get(WORKER_UID) else " + not root") if user else ""
+    as_user = (f" + not root (uid {user[0]})" if os.environ.get(WORKER_UID) else " + not root") if user else \
+        " + root kept (a GPU host: CUDA IPC fails across uids)" if os.geteuid() == 0 else ""
     if have["landlock"] and have["seccomp"]:
         return f"landlock ABI {have['landlock']} + seccomp{as_user}"
     if have["landlock"]:

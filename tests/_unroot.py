@@ -19,12 +19,28 @@ def _inside(path, folder):
     return path == folder or path.startswith(folder.rstrip("/") + "/")
 
 
+# On a GPU host root is kept (uid 0, as before): measured on an H100 (2026-12-07), a worker of
+# another uid could not open the test process's CUDA IPC handles (torch's rebuild failed with
+# a CUDA error; the ref-count file given to it), so every GPU test crashed. DRILLS_GPU_LEAVE_ROOT=1
+# leaves root there too, for a trial on a GPU. The seccomp refusals hold whatever the uid.
+GPU_LEAVE_ROOT = "DRILLS_GPU_LEAVE_ROOT"
+
+
+def gpu_host():
+    """Whether this machine has a GPU's device files (NVIDIA, DRM or KFD)."""
+    try:
+        return any(n.startswith(("nvidia", "dri", "kfd")) for n in os.listdir("/dev"))
+    except OSError:
+        return False
+
+
 def worker_user():
-    """(uid, gid) a confined process runs as where the grade runs as root, else None: the
+    """(uid, gid) a confined process runs as where the grade runs as root, else None (also on a
+    GPU host: see GPU_LEAVE_ROOT): the
     grade's DRILLS_WORKER_UID (one per drill: tests/_grading.py, so that what a drill's
     workers leave in /dev/shm is known by its owner), else nobody's 65534. The gid is the
     same number, or the GPU device files' group where only their group may open them."""
-    if os.geteuid() != 0:
+    if os.geteuid() != 0 or (gpu_host() and os.environ.get(GPU_LEAVE_ROOT) != "1"):
         return None
     uid = int(os.environ.get(WORKER_UID) or NOBODY)
     gid = uid

@@ -27,10 +27,12 @@ CHANNEL = '''
 import os, socket, stat, struct, sys, time
 
 def _channel():
-    for fd in range(3, 256):
+    for fd in range(3, 256):  # the one connected socket (a GPU host's CUDA may hold a listener)
         try:
             if stat.S_ISSOCK(os.fstat(fd).st_mode):
-                return socket.socket(fileno=os.dup(fd))
+                found = socket.socket(fileno=os.dup(fd))
+                found.getpeername()
+                return found
         except OSError:
             pass
     raise LookupError("no channel")
@@ -133,7 +135,11 @@ def slot_mapping(*a):
     assert not {"\x1b", "\x9b", "\x07", "\u202e", "\u202c", "\u200b"} & set(out + err), (out, err)
 
 
-@pytest.mark.skipif(os.geteuid() != 0, reason="the worker leaves root only where the grade is root")
+LEAVES_ROOT = _sandbox.worker_user() is not None
+STAYS = "the worker leaves root only where the grade is root, and not on a GPU host (tests/_unroot.py)"
+
+
+@pytest.mark.skipif(not LEAVES_ROOT, reason=STAYS)
 def test_as_root_the_learners_code_runs_as_another_uid(tmp_path, worker):
     tree = _tree(tmp_path, '''
 import os
@@ -202,10 +208,23 @@ def test_a_removal_that_fails_is_a_line_of_the_grade(monkeypatch):
         os.rmdir(scratch.root)
 
 
-@pytest.mark.skipif(os.geteuid() != 0, reason="the worker leaves root only where the grade is root")
+@pytest.mark.skipif(not LEAVES_ROOT, reason=STAYS)
 def test_as_root_a_tree_others_cannot_read_is_said_in_plain_words(tmp_path, worker):
     tree = _tree(tmp_path, "def slot_mapping(*a):\n    return 1\n")
     tree.chmod(0o700)
     worker.budget = 60
     with pytest.raises(LearnerCrash, match="not readable by others.*chmod o\\+rx"):
         worker.call(tree, L1.stem, "slot_mapping", (), {})
+
+
+def test_on_a_gpu_host_root_is_kept_unless_asked(monkeypatch):
+    """Measured on an H100: a worker of another uid cannot open the test process's CUDA IPC
+    handles, so a GPU host keeps uid 0 (the seccomp refusals hold all the same);
+    DRILLS_GPU_LEAVE_ROOT=1 leaves root there too, for a trial."""
+    import _unroot
+    monkeypatch.setattr(_unroot, "gpu_host", lambda: True)
+    monkeypatch.setattr(_unroot.os, "geteuid", lambda: 0)
+    monkeypatch.delenv(_unroot.GPU_LEAVE_ROOT, raising=False)
+    assert _unroot.worker_user() is None
+    monkeypatch.setenv(_unroot.GPU_LEAVE_ROOT, "1")
+    assert _unroot.worker_user()[0] == int(os.environ.get(_unroot.WORKER_UID) or _unroot.NOBODY)
