@@ -59,6 +59,9 @@ How the contract's "Confined before the import" and "Not root" are met:
   /proc/<pid>/net then lists an empty network namespace. The learner's tree must be
   readable by others (its own mode is not changed); else the worker refuses to start,
   saying so. Where the namespaces cannot be had, it leaves root all the same and says so.
+  On a GPU host root is kept (tests/_unroot.py's GPU_LEAVE_ROOT): on an H100 a worker of
+  another uid could not open the test process's CUDA IPC handles; there the refusals are
+  seccomp's alone, and describe() says "root kept".
 - Why pyseccomp (tests/_seccomp.py): a small ctypes binding of the system's libseccomp.so.2, which builds
   the BPF for the architecture, rather than hand-written BPF. Where pyseccomp or
   libseccomp is missing, `missing()` and `describe()` say so and Landlock stands alone.
