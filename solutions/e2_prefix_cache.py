@@ -284,8 +284,11 @@ class _Cascade:
 
     def paged_prefill_attention(self, query, k_cache, v_cache, block_table, query_start_loc, seq_lens, scale=None,
                                 out=None):
-        return self.kernels.cascade_attention(query, k_cache, v_cache, block_table, query_start_loc, seq_lens,
-                                              self.prefix_len, scale=scale, out=out)
+        # E1's decode graphs hold their inputs as int64; L6's kernels take int32 (index tensors are). A
+        # no-op on int32; in a graph, three small copies a layer that each replay repeats.
+        table, starts, lens = (t.to(torch.int32) for t in (block_table, query_start_loc, seq_lens))
+        return self.kernels.cascade_attention(query, k_cache, v_cache, table, starts, lens, self.prefix_len,
+                                              scale=scale, out=out)
 
 
 def _prefix_len(kernels, blocks, batch):
