@@ -18,9 +18,8 @@ from _diagnose import Mismatch, expect_value_error
 from _worker import TIMEOUT, WORKER, reset_all
 from drills.e1 import kernels_tree
 from drills.e1.cases import chat_ids, install_hint, load_smollm2, smollm2_available, tiny_model
-from drills.e1.checks import unwritten_kernel
 from drills.e2.cases import TRACES, WORKED_EXAMPLE, PrefixCacheMachine, PrefixCase, prefix_case
-from drills.e2.checks import MANAGER_PITFALLS, _named, check_replay, replay_problem, run_generate
+from drills.e2.checks import _named, check_replay, run_generate, unwritten_part
 from drills.e2.reference import MERSENNE, fingerprint_inputs
 
 
@@ -247,7 +246,7 @@ def test_default_kernels_are_the_trees_own(drill, tree):
     try:
         got = drill.generate(case.model, case.prompts, case.max_new, block_size=4)
     except NotImplementedError as error:
-        unwritten_kernel(error, tree)
+        unwritten_part(error, tree)
         raise
     from drills.e1.checks import check_tokens
     check_tokens(case, got)

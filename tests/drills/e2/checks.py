@@ -20,9 +20,19 @@ from .reference import BlockManagerModel, cascade_rule
 
 STAT_KEYS = ("prompt_tokens", "computed_prompt_tokens", "reused_prompt_tokens", "steps", "cascade_steps",
              "preemptions")
-# The pitfalls a replayed trace can show (the others live in the engine or the hash).
-MANAGER_PITFALLS = ("partial_block_hashed", "hash_not_chained", "whole_prompt_reused", "reused_not_whole_blocks",
-                    "referenced_block_evicted", "evicted_hash_kept", "hit_without_token_check")
+
+
+def unwritten_part(error, tree):
+    """A stub under a written E2 (its E1, or the L1, L3 or L6 it runs on): E2 is not "not
+    started", that part is; say which and how to go on."""
+    for drill_id, stem in (("e1", "e1_paged_engine"), ("l1", "l1_paged_kv_write"), ("l3", "l3_paged_prefill"),
+                           ("l6", "l6_cascade_attention")):
+        if f"content/{drill_id}.md" in str(error):
+            fix = ("pass E1 first: E2 builds on it (content/e2.md §1)" if drill_id == "e1" else
+                   f"pass {drill_id.upper()} first, or grade E2 with the reference kernels: "
+                   f"make grade DRILL=e2 KERNELS=solutions")
+            raise Mismatch(f"E2 runs on your {drill_id.upper()} ({tree}/{stem}.py), which is not written yet "
+                           f"({error}): {fix}")
 
 
 def _named(name, problem, where):
@@ -162,7 +172,8 @@ def run_generate(drill, case, kernels, expect=None, candidates=()):
     try:
         result = drill.generate(case.model, case.prompts, case.max_new, **case.kwargs(), kernels=rec,
                                 return_stats=True)
-    except NotImplementedError:
+    except NotImplementedError as e:
+        unwritten_part(e, kernels)
         raise
     except (LearnerTimeout, LearnerCrash, Exception) as e:  # explained below
         error = e
