@@ -35,6 +35,7 @@ def _scratch_before_cuda(argv):
         atexit.register(shutil.rmtree, scratch, ignore_errors=True)
     os.environ.update(scratch_env(scratch))
     tempfile.tempdir = scratch
+    sys.dont_write_bytecode = True  # it imports the tree before it confines itself: no .pyc beside the tree's files
     return scratch
 
 
