@@ -5,10 +5,9 @@ those notes; a line every few seconds while a model loads; the chat template ove
 a reply's text without special tokens.
 """
 import os
-import threading
 import time
 
-from _progress import Watch, note
+from _progress import Every, Watch, note
 from _tree import ROOT, load_drill
 from _worker import WORKER
 
@@ -81,28 +80,15 @@ def watching(tokens):
     return Watch(lambda: WORKER.scratch, StepLines(tokens).show)
 
 
-class Ticker:
+class Ticker(Every):
     """`with Ticker(text) as t:` prints `text: N s` every `every` seconds while the block
     runs; t.seconds is how long it took."""
 
     def __init__(self, text, every=10):
-        self.text, self.every, self.done, self.seconds = text, every, threading.Event(), 0.0
+        self.text, self.every, self.seconds = text, every, 0.0
 
-    def _run(self):
-        while not self.done.wait(self.every):
-            print(f"{self.text}: {time.monotonic() - self.started:.0f} s", flush=True)
-
-    def __enter__(self):
-        self.started = time.monotonic()
-        self.thread = threading.Thread(target=self._run, daemon=True)
-        self.thread.start()
-        return self
-
-    def __exit__(self, *exc):
-        self.done.set()
-        self.thread.join()
-        self.seconds = time.monotonic() - self.started
-        return False
+    def tick(self):
+        print(f"{self.text}: {time.monotonic() - self.started:.0f} s", flush=True)
 
 
 def shown(path):

@@ -43,33 +43,20 @@ def read(folder):
     return tuple(numbers) if ok else None
 
 
-class Watch:
-    """`with Watch(folder, show):` calls show(note, seconds since the block began) from a
-    thread for each new note while the block runs, polled every `every` s, and once more
-    at its end. `folder()` names the worker's scratch folder (it changes when a worker
-    is replaced); a note left from an earlier call is removed first."""
+class Every:
+    """A `with` block during which a thread calls `tick()` every `every` seconds; at its end
+    `seconds` is how long the block took. Watch and tests/_chat.py's Ticker are two."""
+    every = 1.0
 
-    def __init__(self, folder, show, every=0.5):
-        self.folder, self.show, self.every = folder, show, every
-        self.done, self.last = threading.Event(), None
-
-    def _poll(self):
-        found = read(self.folder())
-        if found is not None and found != self.last:
-            self.last = found
-            self.show(found, time.monotonic() - self.started)
+    def tick(self):
+        raise NotImplementedError
 
     def _run(self):
         while not self.done.wait(self.every):
-            self._poll()
+            self.tick()
 
     def __enter__(self):
-        if self.folder():
-            try:
-                os.remove(os.path.join(self.folder(), NAME))
-            except OSError:
-                pass
-        self.started = time.monotonic()
+        self.done, self.started = threading.Event(), time.monotonic()
         self.thread = threading.Thread(target=self._run, daemon=True)
         self.thread.start()
         return self
@@ -77,5 +64,34 @@ class Watch:
     def __exit__(self, *exc):
         self.done.set()
         self.thread.join()
-        self._poll()
+        self.seconds = time.monotonic() - self.started
+        return False
+
+
+class Watch(Every):
+    """`with Watch(folder, show):` calls show(note, seconds since the block began) from a
+    thread for each new note while the block runs, polled every `every` s, and once more
+    at its end. `folder()` names the worker's scratch folder (it changes when a worker
+    is replaced); a note left from an earlier call is removed first."""
+
+    def __init__(self, folder, show, every=0.5):
+        self.folder, self.show, self.every, self.last = folder, show, every, None
+
+    def tick(self):
+        found = read(self.folder())
+        if found is not None and found != self.last:
+            self.last = found
+            self.show(found, time.monotonic() - self.started)
+
+    def __enter__(self):
+        if self.folder():
+            try:
+                os.remove(os.path.join(self.folder(), NAME))
+            except OSError:
+                pass
+        return super().__enter__()
+
+    def __exit__(self, *exc):
+        super().__exit__(*exc)
+        self.tick()
         return False
