@@ -22,6 +22,7 @@ import pytest
 import _class
 import _sandbox
 import _similarity
+from _front import make_echo
 from _gradebook import Book, feedback
 from _manifest import DRILLS, drill
 from _render import make_console
@@ -398,15 +399,8 @@ def test_on_a_gpu_each_passing_drill_is_benched_after_the_tests_then_kept(tmp_pa
 
 
 def test_make_class_passes_the_roster_and_its_options(tmp_path):
-    venv = tmp_path / "venv"
-    (venv / "bin").mkdir(parents=True)
-    (venv / "bin/python").write_text('#!/bin/sh\necho "$@"\n')
-    (venv / "bin/python").chmod(0o755)
-    (venv / ".ready").touch()
-    os.utime(venv / ".ready", (2 ** 31, 2 ** 31))  # newer than pyproject.toml: no set-up runs
-    make = ["make", "-s", "class", f"VENV={venv}"]
-    bare = subprocess.run(make, cwd=ROOT, capture_output=True, text=True, timeout=60)
+    make = make_echo(tmp_path)
+    bare = make("class")
     assert bare.returncode == 2 and "usage: make class ROSTER=dir" in bare.stdout
-    full = subprocess.run(make + ["ROSTER=/r/a b", "DRILL=l1,l2", "JOBS=2", "OUT=/o"], cwd=ROOT, capture_output=True,
-                          text=True, timeout=60)
+    full = make("class", "ROSTER=/r/a b", "DRILL=l1,l2", "JOBS=2", "OUT=/o")
     assert full.stdout.strip() == "grader.py class /r/a b --drills l1,l2 --jobs 2 --out /o"

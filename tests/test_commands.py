@@ -7,25 +7,13 @@ import sys
 import pytest
 import torch
 
+from _front import here  # noqa: F401  -- a fixture
 from _tree import ROOT, load_front
 
 
 def grader(*args, cwd=ROOT, env=None):
     return subprocess.run([sys.executable, "grader.py", *args], cwd=cwd, capture_output=True, text=True,
                           env={**os.environ, "COLUMNS": "160", **(env or {})}, timeout=120)
-
-
-@pytest.fixture
-def here(monkeypatch, capsys):
-    """A command of this checkout's grader.py, run in this process (no new interpreter to
-    start): (exit status, what it printed)."""
-    front = load_front()
-    monkeypatch.setenv("COLUMNS", "160")
-
-    def run(*args):
-        code = front.main(list(args))
-        return code, capsys.readouterr().out
-    return run
 
 
 @pytest.fixture

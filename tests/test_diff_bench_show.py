@@ -7,19 +7,8 @@ import sys
 
 import pytest
 
-from _tree import ROOT, load_front
-
-
-@pytest.fixture
-def here(monkeypatch, capsys):
-    """A command of this checkout's grader.py, run in this process: (exit status, output)."""
-    front = load_front()
-    monkeypatch.setenv("COLUMNS", "160")
-
-    def run(*args):
-        code = front.main(list(args))
-        return code, capsys.readouterr().out
-    return run
+from _front import here  # noqa: F401  -- a fixture
+from _tree import ROOT
 
 
 # --- diff: markers, the width, identical files, two learners ----------------------------

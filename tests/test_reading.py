@@ -7,6 +7,7 @@ import sys
 
 import pytest
 
+from _front import make_echo
 from _tree import ROOT
 
 
@@ -147,16 +148,10 @@ def test_the_page_renders_with_the_answers_folded(drill_id):
 
 def test_make_passes_yes_and_answers_on(tmp_path):
     """make walkthrough YES=1 and make page ANSWERS=1 reach grader.py as --yes and --answers."""
-    venv = tmp_path / "venv"
-    (venv / "bin").mkdir(parents=True)
-    (venv / "bin/python").write_text('#!/bin/sh\necho "$@"\n')
-    (venv / "bin/python").chmod(0o755)
-    (venv / ".ready").touch()
-    os.utime(venv / ".ready", (2 ** 31, 2 ** 31))  # newer than pyproject.toml: no set-up runs
+    run = make_echo(tmp_path)
 
     def make(*args):
-        return subprocess.run(["make", "-s", *args, f"VENV={venv}"], cwd=ROOT, capture_output=True, text=True,
-                              timeout=60).stdout.strip()
+        return run(*args).stdout.strip()
     assert make("walkthrough", "DRILL=l1") == "grader.py walkthrough l1 --tree mine"
     assert make("walkthrough", "DRILL=l1", "YES=1") == "grader.py walkthrough l1 --tree mine --yes"
     assert make("page", "DRILL=l7", "ANSWERS=1") == "grader.py page l7 --tree mine --answers"
