@@ -166,8 +166,9 @@ def main(argv=None):
     stop_children_on_signals(lambda text: console.print(f"\n[bold red]{text}[/]"))
     before = _integrity.snapshot()
     ok, says = _integrity.integrity()
-    grade = dict(tree=str(tree), tree_name=args.tree, device=_env.describe(), interpret=_env.INTERPRET, sandbox=SANDBOX, sandbox_missing=_sandbox.missing(),
-                 drills=[], integrity=dict(ok=ok, says=says), leftover_processes_killed=0)
+    grade = dict(tree=str(tree), tree_name=args.tree, device=_env.describe(), interpret=_env.INTERPRET, sandbox=SANDBOX,
+                 sandbox_missing=_sandbox.missing(), drills=[], integrity=dict(ok=ok, says=says),
+                 leftover_processes_killed=0, orphans_removed=_grading.remove_orphans())  # what a killed grade left
     printer = Printer(console, grade, [d.title for d in drills])
     printer.header()
     # The spinner only on a terminal: in a log it would print nothing useful, or a line per update.
@@ -193,9 +194,7 @@ def main(argv=None):
             grade["leftover_processes_killed"] += kill_leftovers(keep=live_pids())
             grade["drills"][-1]["left_behind"] = scratch.close()  # its scratch and /dev/shm names, removed
             check_integrity(grade, before, graded, args.tree)
-            printer.drill(grade["drills"][-1])
-            for line in grade["drills"][-1]["left_behind"]:
-                console.print(f"      left behind: {line}", style="yellow", markup=False, highlight=False)
+            printer.drill(grade["drills"][-1])  # with what could not be removed
         if ceiling:
             ceiling.cancel()
 

@@ -15,7 +15,6 @@ tests/test_wrong.py grades the planted bugs through it.
   marked with that pitfall; a crash in a test marked with a pitfall that other failures
   name keeps the name (a crash says nothing against it).
 """
-import atexit
 import json
 import os
 import secrets
@@ -29,9 +28,9 @@ from pathlib import Path
 import _env
 import _wrong
 from _diagnose import explain_error
-from _process import SCRATCH_ROOT, WORKER_PLAN, Child, exit_name, remove_shm, remove_tree, run_process, shm_names
-from _sandbox import WORKER_UID
+from _process import SCRATCH_ROOT, WORKER_PLAN, Child, exit_name, run_process
 from _report import read_signed
+from _scratch import DrillScratch, remove_orphans  # noqa: F401  -- grader.py's
 from _tree import ROOT, worker_trees
 
 RESTARTS = 3       # fresh test processes after the test process itself dies
@@ -279,53 +278,6 @@ def _evidence(drill, ordered):
         common = set.intersection(*(set(r.get("pitfall_test") or ()) for r in ordered))
         named = sorted(p for p in common if drill.pitfalls.get(p) and drill.pitfalls[p].crashes)
     return named
-
-
-class DrillScratch:
-    """One drill's scratch root (every confined process of the drill makes its scratch folder
-    there: tests/_process.py's scratch_folder) and, where the grade runs as root, the uid its
-    workers take (tests/_sandbox.py's worker_user), set in `environ` (grader.py: os.environ,
-    which the drill's test, picture, traffic and bench processes inherit; a grading run: its
-    env). `close()`, once they have all ended, removes the root and the /dev/shm names the
-    drill's confined processes made, whatever became of them (a killed test process runs no
-    atexit; a FIFO left in a scratch folder is unlinked, never opened; an immutable file is
-    freed first), and returns a sentence for each removal that failed: a line of the grade."""
-
-    def __init__(self, drill_id, environ=None):
-        self.environ, self.left = os.environ if environ is None else environ, None
-        environ = self.environ
-        self.root = tempfile.mkdtemp(prefix=f"drills-{drill_id}-")
-        os.chmod(self.root, 0o711)
-        # A uid of the drill's own (no user has it): what its workers leave in /dev/shm is known by its owner.
-        self.uid = 1_800_000_000 + secrets.randbelow(100_000_000) if os.geteuid() == 0 else None
-        self.saved = {k: environ.get(k) for k in (SCRATCH_ROOT, WORKER_UID)}
-        environ[SCRATCH_ROOT] = self.root
-        if self.uid is not None:
-            environ[WORKER_UID] = str(self.uid)
-        self.shm = shm_names()
-        atexit.register(self.close)
-
-    def close(self):
-        if self.left is not None:
-            return self.left
-        atexit.unregister(self.close)
-        for key, value in self.saved.items():
-            if value is None:
-                self.environ.pop(key, None)
-            else:
-                self.environ[key] = value
-        left = [p for p in [remove_tree(self.root)] if p]
-        left += remove_shm(self.shm, self.uid)[1]
-        if self.uid is not None:  # where Landlock is missing its workers may have written /tmp too
-            for entry in os.scandir(tempfile.gettempdir()):
-                try:
-                    if entry.stat(follow_symlinks=False).st_uid == self.uid:
-                        left += [p for p in [remove_tree(entry.path) if entry.is_dir(follow_symlinks=False)
-                                             else os.unlink(entry.path)] if p]
-                except OSError as error:
-                    left.append(f"could not remove {entry.path}: {error.strerror}")
-        self.left = left
-        return left
 
 
 def grade_drill(drill, tree, timeout, workdir=None, test_timeout=None, env=None, select=None):

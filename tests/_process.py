@@ -58,8 +58,8 @@ def scratch_env(scratch):
 
 
 _SCRATCH = []  # the folder every worker's scratch folder lives in (made on first use)
-# The folder a grade makes for one drill's scratch folders (tests/_grading.py's
-# drill_scratch): set, every process of that drill makes its own there, and the grader
+# The folder a grade makes for one drill's scratch folders (tests/_scratch.py's
+# DrillScratch): set, every process of that drill makes its own there, and the grader
 # removes it after the drill, whatever became of them (a killed test process runs no
 # atexit). Unset (a test run by hand), each process has a root of its own, removed at exit.
 SCRATCH_ROOT = "DRILLS_SCRATCH_ROOT"

@@ -143,6 +143,8 @@ class Printer:
         integrity = self.grade.get("integrity")
         if integrity and not integrity["ok"]:
             print_(Text.assemble(("warning: ", "bold yellow"), clean_text(integrity["says"])))
+        for line in self.grade.get("orphans_removed") or ():  # tests/_scratch.py's remove_orphans
+            print_(Text(clean_text(line), style="dim"))
         print_(self._row("drill", "title", Text("status"), "time"), style="bold")
         self._flush()
 
@@ -182,6 +184,8 @@ class Printer:
                 self.said.add("traffic")
                 _traffic_intro(self.console)
             _traffic_line(self.console, s)
+        for line in s.get("left_behind") or ():  # what the grader could not remove after the drill
+            print_(Text(f"      left behind: {clean_text(line)}", style="yellow"))
         self._flush()
 
     def footer(self):

@@ -37,7 +37,7 @@ def gpu_host():
 def worker_user():
     """(uid, gid) a confined process runs as where the grade runs as root, else None (also on a
     GPU host: see GPU_LEAVE_ROOT): the
-    grade's DRILLS_WORKER_UID (one per drill: tests/_grading.py, so that what a drill's
+    grade's DRILLS_WORKER_UID (one per drill: tests/_scratch.py, so that what a drill's
     workers leave in /dev/shm is known by its owner), else nobody's 65534. The gid is the
     same number, or the GPU device files' group where only their group may open them."""
     if os.geteuid() != 0 or (gpu_host() and os.environ.get(GPU_LEAVE_ROOT) != "1"):

@@ -14,6 +14,8 @@ import pytest
 
 import _grading
 import _sandbox
+import _scratch
+from _front import here  # noqa: F401  -- a fixture
 from _manifest import BY_ID
 from _worker import LearnerCrash, LearnerError, LearnerTimeout, Worker
 
@@ -201,11 +203,46 @@ def test_the_grader_removes_a_drills_scratch_and_shm_names_even_after_a_kill(tmp
 def test_a_removal_that_fails_is_a_line_of_the_grade(monkeypatch):
     env = {}
     scratch = _grading.DrillScratch("t47", env)
-    monkeypatch.setattr(_grading, "remove_tree", lambda path: f"could not remove {path} (1 entries left): Busy")
+    monkeypatch.setattr(_scratch, "remove_tree", lambda path: f"could not remove {path} (1 entries left): Busy")
     try:
         assert scratch.close() == [f"could not remove {scratch.root} (1 entries left): Busy"]
     finally:
         os.rmdir(scratch.root)
+
+
+# The grader itself, killed: a stand-in holds a drill's scratch root as grader.py does, and its worker
+# stand-in (KILLED, in the same process) leaves there a FIFO, an immutable file and a /dev/shm name.
+ORPHAN = 'import sys; sys.path.insert(0, "tests"); import _scratch; _scratch.DrillScratch("t47k")\n' + KILLED
+
+
+def test_the_next_grade_removes_what_a_killed_grader_left(tmp_path, here):
+    name = f"drills-t47k-{os.getpid()}"
+    child = subprocess.Popen([sys.executable, "-c", ORPHAN, name], cwd=_grading.ROOT, stdout=subprocess.PIPE,
+                             text=True)
+    try:
+        root = os.path.dirname(child.stdout.readline().strip())
+        assert os.path.basename(root).startswith("drills-root-t47k-") and os.path.exists(f"/dev/shm/{name}"), root
+        held = _scratch.orphaned_roots()  # what a grade starting now would take: not the live one's root
+        for _, lock in held:
+            os.close(lock)
+        assert root not in [path for path, _ in held]
+    finally:
+        child.send_signal(signal.SIGKILL)
+        child.wait(10)
+        child.stdout.close()
+    assert os.path.isdir(root)  # no clean-up ran
+    tree = tmp_path / "mine"
+    tree.mkdir()
+    (tree / f"{L1.stem}.py").write_bytes((_grading.ROOT / "mine" / f"{L1.stem}.py").read_bytes())
+    try:
+        _, out = here("l1", "--tree", str(tree))  # the untouched stub: graded without a test process
+        assert f"removed {root}, left by a grade that was killed" in " ".join(out.split()), out
+        assert not os.path.lexists(root)
+        if os.geteuid() == 0:  # the root's name says the drill's uid, whose /dev/shm names go with it
+            assert not os.path.lexists(f"/dev/shm/{name}")
+    finally:
+        if os.path.lexists(f"/dev/shm/{name}"):
+            os.unlink(f"/dev/shm/{name}")
 
 
 @pytest.mark.skipif(not LEAVES_ROOT, reason=STAYS)
