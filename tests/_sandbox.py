@@ -112,9 +112,10 @@ _SCOPE_ABSTRACT_UNIX_SOCKET, _SCOPE_SIGNAL = 1 << 0, 1 << 1  # ABI 6
 
 # The system's programs and libraries: the C library and the loader, CUDA's libraries,
 # and the C toolchain (gcc, as, ld, cc1 under /usr/libexec, the headers) and ldconfig
-# (Triton runs `/sbin/ldconfig -p` to find libcuda), read and executed, never written.
+# (Triton runs `/sbin/ldconfig -p` to find libcuda; on Debian and Ubuntu that is a shell
+# script that runs /sbin/ldconfig.real), read and executed, never written.
 _SYSTEM = ("/usr/lib", "/lib", "/lib64", "/usr/lib64", "/usr/local/lib", "/usr/include", "/usr/libexec",
-           "/usr/bin", "/bin", "/sbin/ldconfig", "/usr/local/nvidia")
+           "/usr/bin", "/bin", "/sbin/ldconfig", "/sbin/ldconfig.real", "/usr/local/nvidia")
 # The /etc files the C library reads: the loader's cache and configuration (every
 # dlopen and every program started), the time zone (localtime), and the user database
 # (nsswitch.conf, passwd, group: getpwuid, behind Path.home() and getpass.getuser()
