@@ -11,7 +11,7 @@ import torch
 import _wrong
 from _diagnose import Mismatch
 from _tree import ROOT
-from _worker import LearnerCrash, LearnerTimeout, TreeModule
+from _worker import LearnerCrash, LearnerError, LearnerTimeout, TreeModule
 from drills.e1.checks import _returned, _tokens
 
 from .cases import PrefixRecorder
@@ -181,20 +181,44 @@ def run_generate(drill, case, kernels, expect=None, candidates=()):
     problem, named = engine_problem(case, tokens, stats, rec.calls(), error, expect)
     if problem is None:
         return tokens, stats, rec
-    if named is None and candidates and error is not None:  # the candidates' evidence is how a run ends
+    if named is None and candidates and error is not None and _reference_runs(case):
+        # The candidates' evidence is how a run ends, and only where the reference runs the
+        # case: where it fails too (a machine whose Triton cannot start, say), every planted
+        # variant fails the same way and singles out nothing.
         agree = [name for name in candidates if _variant_gives(name, case, tokens, stats, error)]
         named = agree[0] if len(agree) == 1 else None
     lines = [problem] + ([f"  this is pitfall:{named} ({SECTION}): {PLANTED.pitfalls[named].says}"] if named else [])
     raise Mismatch("\n".join(lines + [f"  {case.describe()}"]), [named] if named else [])
 
 
-def _variant_gives(name, case, tokens, stats, error):
-    rec = PrefixRecorder(ROOT / "solutions")
+def _error_kind(error):
+    """What kind of failure ended a run: a timeout, a crash, or the type the code raised
+    (a LearnerError's message starts with it)."""
+    if isinstance(error, LearnerError):
+        return str(error).partition(":")[0]
+    return type(error).__name__
+
+
+def _generate(module, case):
+    return module.generate(case.model, case.prompts, case.max_new, **case.kwargs(),
+                           kernels=PrefixRecorder(ROOT / "solutions"), return_stats=True)
+
+
+def _reference_runs(case):
+    """Whether the reference runs the case to its end in the variants' worker."""
+    _wrong._VARIANTS.prepare(readable=[ROOT / "solutions"], preload=("drills.e2.cases",))
     try:
-        theirs = variant(name).generate(case.model, case.prompts, case.max_new, **case.kwargs(),
-                                                        kernels=rec, return_stats=True)
+        _generate(TreeModule(ROOT / "solutions", PLANTED.stem, _wrong._VARIANTS), case)
+    except Exception:  # noqa: BLE001 -- any failure: the case says nothing here
+        return False
+    return True
+
+
+def _variant_gives(name, case, tokens, stats, error):
+    try:
+        theirs = _generate(variant(name), case)
     except Exception as e:  # noqa: BLE001 -- the variant's own failure is the evidence
-        return error is not None and type(e).__name__ == type(error).__name__
+        return error is not None and _error_kind(e) == _error_kind(error)
     return error is None and list(theirs) == [tokens, stats]
 
 
