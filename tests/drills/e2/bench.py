@@ -115,20 +115,6 @@ def measure(module, device="cuda", start=None, extras=True):
     theirs, _ = _timed(hf, "generate")
     result.update(transformers_tokens_per_s=round(tokens / theirs), on_over_transformers=round(theirs / on, 2))
     return result
-    one, _ = _timed(engine(True, new=1), "caching on, 1 new token")
-    step = (on - one) / (p["new"] - 1)
-    result.update(decode_step_ms=round(step * 1e3, 3), decode_floor_ms=round(decode_floor_bytes() / ceiling / 1e6, 3),
-                  prefill_s=round(one, 3), ceiling_gbps=round(ceiling))
-    result.update(ttft(module, engine(True)))
-    chats, c = chat_prompts(), CHATS
-    chat_tokens = len(chats) * c["new"]
-    _timed(engine(True, c["new"], chats, c["budget"]), "warm chats")
-    chat_on, (_, chat_stats) = _timed(engine(True, c["new"], chats, c["budget"]), "chats on")
-    chat_off, _ = _timed(engine(False, c["new"], chats, c["budget"]), "chats off")
-    result.update(chat_on_tokens_per_s=round(chat_tokens / chat_on), chat_off_tokens_per_s=round(chat_tokens / chat_off),
-                  chat_reuse=round(chat_stats["reused_prompt_tokens"] / chat_stats["prompt_tokens"], 4),
-                  chat_stats=chat_stats)
-    return result
 
 
 def ttft(module, run):
