@@ -122,21 +122,21 @@ def check_integrity(grade, before, graded=None, tree_name="mine"):
                 s["status"], s["problem"] = "failing", f"this pass is withdrawn: {says}"
 
 
-def time_drill(grade, bench, ceiling, timeout, spinner):
+def time_drill(grade, bench, ceiling, args, spinner):
     """The bench of the drill just graded: timed if it passed (the ceiling measured first,
-    once a grade), else ended."""
+    once a grade), else ended; each step of it gets the learner's limit (tests/_bench.py)."""
     s = grade["drills"][-1]
     if s["status"] != "passed":
         return bench.cancel()
     try:
         spinner.update("measuring the copy ceiling...")
-        grade["ceiling_gbps"] = ceiling.gbps(timeout)
+        grade["ceiling_gbps"] = ceiling.gbps(args.timeout)
     except RuntimeError as error:
         bench.cancel()
         s["bench"] = dict(error=str(error))
         return
     spinner.update(f"timing {s['id'].upper()}...")
-    s["bench"] = cleaned(bench.result(grade["ceiling_gbps"], timeout))
+    s["bench"] = cleaned(bench.result(grade["ceiling_gbps"], args.timeout, args.test_timeout or TIMEOUT))
 
 
 def main(argv=None):
@@ -189,7 +189,7 @@ def main(argv=None):
                 ceiling = _bench.Ceiling()
             grade["drills"].append(grade_one(drill, tree, args, workdir, spinner, console))
             if bench:
-                time_drill(grade, bench, ceiling, args.timeout, spinner)
+                time_drill(grade, bench, ceiling, args, spinner)
             # Nothing the learner's code started may outlive its drill and touch what comes next.
             grade["leftover_processes_killed"] += kill_leftovers(keep=live_pids())
             grade["drills"][-1]["left_behind"] = scratch.close()  # its scratch and /dev/shm names, removed

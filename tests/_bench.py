@@ -6,7 +6,8 @@ measured copy ceiling and the plain-PyTorch baselines. Names no drill.
 
 grader.py runs each in a process of its own (`Bench`), started before the drill's tests:
 its imports, the tree's module, its first case's inputs and compiles overlap the tests,
-and it times nothing until the tests are done (`start`, below). How it measures
+and it times nothing until the tests are done (`start`, below); from then on each call of
+the learner's code in it gets the learner's limit, as in a test (`note_progress`). How it measures
 (METHOD.md's rules):
 - the ceiling is a 1 GiB device-to-device copy_ timed with events, outside a CUDA
   graph (inside one, torch's copy ran 37 % slower on an H200);
@@ -18,15 +19,20 @@ and it times nothing until the tests are done (`start`, below). How it measures
 """
 import json
 import math
-import shutil
+import os
+import struct
+import subprocess
 import sys
+import tempfile
+import threading
+import time
 
 import _env
 import torch
 from triton.testing import do_bench, do_bench_cudagraph
 
-from _process import Child, scratch_folder
-from _tree import load_drill
+from _process import Child, remove_tree, scratch_folder
+from _tree import load_drill, tree_path
 
 TIERS = ((0.90, "at the roofline"), (0.75, "good"), (0.50, "fair"), (0.0, "slow"))
 # FLOPs per byte above which a case is bound by arithmetic, not memory: an H200 does about
@@ -63,6 +69,7 @@ def bench_drill(drill, tree, start):
     called when a case's inputs are made and each of its calls has run once (compiled,
     warm), before anything is timed. In the grade its first call returns when the
     drill's tests are done."""
+    note_progress(tree)  # before the tree's module is imported: its import is a call of its code too
     module = load_drill(tree, drill.stem)
     if drill.bench_run:  # one long run the drill times itself (a rate, not a copy of memory)
         return drill.bench_run(module, start)
@@ -96,28 +103,97 @@ def bench_drill(drill, tree, start):
     return cases
 
 
+# The learner's limit in the bench, as in a test: a bench process runs the learner's code in
+# itself (the timer must be where the kernels run), so a thread of its own notes, twice a
+# second, into a file the grade made and handed over, which frame its main thread is in: the
+# outermost frame of the learner's code on its stack (one call, its compiles included, however
+# many functions it calls in a loop), else its innermost frame (a wait of ours: a kernel of the
+# learner's that does not end holds torch's synchronize). The grade ends the bench when that
+# frame has not changed for the learner's limit plus SLACK s after its go; a slow bench that
+# moves on (compiles, warm-ups, many calls each within the limit) goes on, up to --timeout. A
+# process the learner froze (the GIL held, stopped) notes nothing and is ended the same way.
+# The note is the bench's word, as its times are: a learner who writes it holds the bench no
+# longer than the grade's --timeout, which bounds the whole.
+PROGRESS_FD = "DRILLS_BENCH_PROGRESS_FD"
+SLACK = 5
+
+
+def note_progress(tree):
+    """Start the noting thread where the grade handed over its file (PROGRESS_FD): (how many
+    times the frame changed, whether it is the learner's), at the file's start."""
+    if not os.environ.get(PROGRESS_FD):
+        return
+    fd, main, tree = int(os.environ[PROGRESS_FD]), threading.main_thread().ident, f"{tree_path(tree)}{os.sep}"
+
+    def note():
+        held, moves = None, 0
+        while True:
+            frame = innermost = sys._current_frames().get(main)
+            learner = None
+            while frame is not None:
+                learner = frame if frame.f_code.co_filename.startswith(tree) else learner
+                frame = frame.f_back
+            now = learner or innermost
+            if now is not held:  # a frame held here is not freed, so a new one is never the same object
+                held, moves = now, moves + 1
+            os.pwrite(fd, struct.pack("<Q?", moves, learner is not None), 0)
+            del innermost, learner, now
+            time.sleep(0.5)
+    threading.Thread(target=note, name="bench progress", daemon=True).start()
+
+
 class Bench:
     """One drill's bench in a process of its own (it runs the learner's code: confined, as a
     worker is), started now so that it gets ready while the drill's tests run; `result`
     lets it time and returns its JSON, or {"error": ...}; `cancel` ends it (a drill that
-    did not pass)."""
+    did not pass). `command`: a stand-in for the bench process (the tests: it needs a GPU)."""
 
-    def __init__(self, drill, tree):
+    def __init__(self, drill, tree, command=None):
         # Its scratch folder is made here and handed in, so that it is removed however the
         # process ends (a cancelled bench is killed).
-        self.scratch = scratch_folder("bench-")
-        self.child = Child([sys.executable, "tests/_entry.py", "bench", "--drill", drill.id, "--tree", str(tree),
-                            "--wait", "--scratch", self.scratch], untrusted=True, gated=True)
+        self.scratch, self.progress = scratch_folder("bench-"), tempfile.TemporaryFile()
+        fd = self.progress.fileno()
+        self.child = Child(command or [sys.executable, "tests/_entry.py", "bench", "--drill", drill.id, "--tree",
+                                       str(tree), "--wait", "--scratch", self.scratch],
+                           {PROGRESS_FD: str(fd)}, (fd,), untrusted=True, gated=True)
 
-    def result(self, ceiling, timeout):
+    def result(self, ceiling, timeout, limit):
+        """Its JSON once it has timed (`ceiling` is its go), or {"error": ...}: after
+        `timeout` s in all, or when its noted frame stood still `limit` + SLACK s."""
         try:
-            return read_result(*self.child.wait(timeout, line=ceiling))
+            self.child.go(ceiling)
+            stalled = _stalled(self.child.proc, self.progress.fileno(), timeout, limit)
+            code, out, err = self.child.wait(0)
+            return {"error": stalled} if stalled else read_result(code, out, err)
         finally:
-            shutil.rmtree(self.scratch, ignore_errors=True)
+            self.progress.close()
+            remove_tree(self.scratch)
 
     def cancel(self):
         self.child.kill()
-        shutil.rmtree(self.scratch, ignore_errors=True)
+        self.progress.close()
+        remove_tree(self.scratch)
+
+
+def _stalled(proc, fd, timeout, limit):
+    """Wait for the bench process: None when it ends or `timeout` s have passed, else a
+    sentence once the frame it notes (note_progress) has stood still past the limit."""
+    started = last = time.monotonic()
+    seen = b""
+    while time.monotonic() - started < timeout:
+        try:
+            proc.wait(0.5)
+            return None
+        except subprocess.TimeoutExpired:
+            pass
+        now, noted = time.monotonic(), os.pread(fd, 9, 0)
+        if noted != seen:
+            seen, last = noted, now
+        elif noted and now - last > limit + SLACK:  # nothing noted yet: our imports, before the learner's
+            where = "in one call of your code" if noted[8:] == b"\x01" else "in one wait outside your code"
+            return (f"stopped at the {limit:.0f} s limit, {where} (DRILLS_TIMEOUT / make grade TIMEOUT=... sets "
+                    f"the limit; a kernel that never ends holds a wait)")
+    return None
 
 
 def read_result(code, out, err):

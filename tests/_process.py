@@ -261,15 +261,19 @@ class Child:
                                               **(env or {})})
             _CHILDREN.add(self.proc.pid)
 
-    def wait(self, timeout, line=None):
-        """(returncode or None if killed at the time limit, stdout, stderr), `line` sent
-        first to a gated child. What the child left behind in its group goes with it."""
-        if self.proc.stdin:
+    def go(self, line=None):
+        """Send a gated child its line (once; its standard input is closed after)."""
+        if self.proc.stdin and not self.proc.stdin.closed:
             try:  # one short line: it fits the pipe's buffer, so this never blocks
                 self.proc.stdin.write(f"{'' if line is None else line}\n".encode())
                 self.proc.stdin.close()
             except OSError:  # the child is gone, or closed its end: its exit code says why
                 pass
+
+    def wait(self, timeout, line=None):
+        """(returncode or None if killed at the time limit, stdout, stderr), `line` sent
+        first to a gated child (`go`). What the child left behind in its group goes with it."""
+        self.go(line)
         try:
             code = self.proc.wait(timeout=timeout)
         except subprocess.TimeoutExpired:

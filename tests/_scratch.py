@@ -128,6 +128,6 @@ def remove_orphans():
             left = remove_leftovers(root, uid, None)
         finally:
             os.close(lock)
-        said.append(f"removed {root}, left by a grade that was killed"
-                    + (f" (with uid {uid}'s /dev/shm names)" if uid is not None else "") + "".join(f"; {p}" for p in left))
+        with_shm = f" (with uid {uid}'s /dev/shm names)" if uid is not None else ""
+        said.append(f"removed {root}, left by a grade that was killed{with_shm}" + "".join(f"; {p}" for p in left))
     return said

@@ -55,7 +55,7 @@ def test_on_a_gpu_a_drills_bench_gets_ready_during_its_tests_and_times_after_the
             self.id = drill.id
             happened.append(f"bench {drill.id} started")
 
-        def result(self, ceiling, timeout):
+        def result(self, ceiling, timeout, limit):
             happened.append(f"bench {self.id} timed, ceiling {ceiling}")
             return dict(cases=[])
 
@@ -172,5 +172,5 @@ def test_a_drills_bench_has_its_scratch_folder_before_cuda_starts(tmp_path):
     for ends in ("cancel", "result"):
         bench = _bench.Bench(BY_ID["l1"], "solutions")
         assert os.path.isdir(bench.scratch)
-        bench.cancel() if ends == "cancel" else bench.result(4200.0, 120)
+        bench.cancel() if ends == "cancel" else bench.result(4200.0, 120, 60)
         assert not os.path.exists(bench.scratch), ends

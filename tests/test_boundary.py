@@ -4,6 +4,7 @@ prints reaches us as text; where the grade is root it is not; and after a drill 
 removes what its confined processes left, even when they were killed. Each mechanism is
 planted in a tree of its own and driven through tests/_worker.py's Worker, as a test's
 call is. (tests/test_sandbox.py plants the rest in one wrong L1 graded by grader.py.)"""
+import io
 import os
 import signal
 import subprocess
@@ -135,6 +136,59 @@ def slot_mapping(*a):
     out, err = capfd.readouterr()
     assert "L1 Paged KV-cache write passed 35/35" in out
     assert not {"\x1b", "\x9b", "\x07", "\u202e", "\u202c", "\u200b"} & set(out + err), (out, err)
+
+
+# A stand-in for a drill's bench process (the bench needs a GPU): it notes its progress as the bench
+# does (tests/_bench.py's note_progress), waits for the grade's go, then calls the tree's slot_mapping
+# N times, as the bench calls a kernel it times, and prints its result.
+BENCH = '''
+import json, sys
+sys.path.insert(0, "tests")
+import _bench
+from _tree import load_drill
+_bench.note_progress(sys.argv[1])
+sys.stdin.readline()
+module = load_drill(sys.argv[1], "l1_paged_kv_write")
+for _ in range(int(sys.argv[2])):
+    module.slot_mapping()
+print(json.dumps(dict(cases=[])))
+'''
+
+
+def test_a_bench_that_stalls_in_the_learners_code_ends_at_the_limit_and_the_grade_says_so(tmp_path):
+    """The bench runs the learner's code in its own process: the grade ends it when one call
+    (here an endless loop of short calls of its own) has run past the learner's limit,
+    not at the drill's --timeout; a bench whose calls each end within the limit goes on,
+    however long it takes in all."""
+    from rich.console import Console
+    from types import SimpleNamespace
+
+    import _bench
+    import _render
+    from _tree import load_front
+    limit = 1.0
+    for name in ("stalls", "slow"):
+        (tmp_path / name).mkdir()
+    stalls = _tree(tmp_path / "stalls", "import time\ndef _step():\n    time.sleep(0.2)\n"
+                                        "def slot_mapping():\n    while True:\n        _step()\n")
+    slow = _tree(tmp_path / "slow", "import time\ndef slot_mapping():\n    time.sleep(0.8)\n")
+    benches = {tree: _bench.Bench(L1, tree, [sys.executable, "-c", BENCH, str(tree), calls])
+               for tree, calls in ((stalls, "1"), (slow, "8"))}  # both start now: their imports overlap
+    front = load_front()
+    grade = dict(ceiling_gbps=1000.0, drills=[dict(id="l1", status="passed")])
+    args = SimpleNamespace(timeout=600, test_timeout=limit)
+    started = time.monotonic()
+    front.time_drill(grade, benches[stalls], SimpleNamespace(gbps=lambda timeout: 1000.0), args,
+                     SimpleNamespace(update=lambda text: None))
+    assert time.monotonic() - started < limit + SLACK
+    said = grade["drills"][0]["bench"]["error"]
+    assert said.startswith("stopped at the 1 s limit, in one call of your code"), said
+    out = io.StringIO()
+    _render._bench_table(Console(file=out, width=200), grade)
+    assert "L1 bench failed stopped at the 1 s limit, in one call of your" in " ".join(out.getvalue().split())
+    started = time.monotonic()
+    assert benches[slow].result(1000.0, 600, limit) == dict(cases=[])  # 8 calls of 0.8 s: slow, never stalled
+    assert time.monotonic() - started > limit + _bench.SLACK
 
 
 LEAVES_ROOT = _sandbox.worker_user() is not None
