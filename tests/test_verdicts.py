@@ -197,3 +197,35 @@ def test_a_grade_watches_the_files_it_runs_and_never_waits_on_one(tmp_path):
     os.mkfifo(tmp_path / f"{L1.stem}.py")
     got = _integrity.digests(_integrity.graded_files(L1, tmp_path, stems))
     assert got == {str(tmp_path / f"{L1.stem}.py"): "not a file"}, f"a FIFO in the graded file's place: {got}"
+
+
+def test_a_failure_the_reference_shares_or_of_another_kind_names_nothing(monkeypatch):
+    """E2 names preempt_keeps_refs from how a run on a small cache ends (the planted engine
+    raises when nothing can run again). On the H100 every generate raised, the reference's
+    too (Triton could not find libcuda in the sandbox), and the grade named the pitfall on the
+    reference: a failure the reference shares is no evidence, nor one of another type."""
+    from drills.e2 import checks
+    from drills.e2.cases import prefix_case
+    from drills.e1.cases import tiny_model
+    from _diagnose import Mismatch
+    from _worker import LearnerError
+
+    case = prefix_case(8, [0, 5, 0], [9, 6, 8], exact=[(2, 0)], block_size=4, num_blocks=7, budget=8, seed=5,
+                       model=tiny_model(seed=5, layers=1))
+
+    class Raises:
+        def __init__(self, error):
+            self.error = error
+
+        def generate(self, *args, **kwargs):
+            raise self.error
+
+    stuck = LearnerError("RuntimeError: the scheduler made no progress")
+    reference_runs = checks._reference_runs
+    for error, reference, named in ((stuck, reference_runs, ["preempt_keeps_refs"]),
+                                    (stuck, lambda case: False, []),
+                                    (LearnerError("CalledProcessError: ldconfig -p"), reference_runs, [])):
+        monkeypatch.setattr(checks, "_reference_runs", reference)
+        with pytest.raises(Mismatch) as caught:
+            checks.run_generate(Raises(error), case, ROOT / "solutions", candidates=["preempt_keeps_refs"])
+        assert caught.value.pitfalls == named, (str(error), caught.value.pitfalls)
