@@ -73,10 +73,18 @@ cover; signals below ABI 6; sockets, UDP and pathname Unix sockets where seccomp
 missing; /dev/shm files whose names are known; /sys and the system's folders, read; CPU
 time and memory (the caller's limits). Run as a user (not root): the worker keeps that
 uid, and /proc/<pid>/net (readable under the /proc/<pid> rule, which also covers
-/proc/<pid>/task/<tid>/net for threads not yet made) lists the host's sockets: Landlock
-cannot leave out part of a folder it allows, and a network namespace needs root (an
-unprivileged user namespace first: not done). Point TMPDIR, HOME, TRITON_CACHE_DIR and
-CUDA_CACHE_PATH at the scratch folder: the only place the worker can create files.
+/proc/<pid>/task/<tid>/net for threads not yet made: Landlock cannot leave out part of a
+folder it allows) would list the host's sockets, so before Landlock and seccomp it enters
+a user namespace of its own (unprivileged; its uid and gid mapped to themselves, so its
+files and ids read as before, other owners' files as 65534; no capability kept there) and
+a network namespace in it, which its /proc/<pid>/net then lists, empty (tests/_unroot.py's
+own_network_namespace; seccomp refuses a namespace after). Where the kernel refuses user
+namespaces to users (a sysctl, AppArmor's restrict_unprivileged_userns, a container's
+seccomp: tried once in a child, user_namespace_refused), the host's sockets stay listed
+and describe() says so; on a GPU host it is not tried (a worker in a network namespace of
+its own is untried with CUDA IPC) unless DRILLS_GPU_LEAVE_ROOT=1 asks for a trial. Point
+TMPDIR, HOME, TRITON_CACHE_DIR and CUDA_CACHE_PATH at the scratch folder: the only place
+the worker can create files.
 """
 import ctypes
 import glob
@@ -87,6 +95,7 @@ import sys
 
 import _seccomp
 from _unroot import WORKER_UID, drop_root, gpu_host, worker_user  # noqa: F401  -- WORKER_UID, gpu_host: others'
+from _unroot import own_network_namespace, user_namespace_refused, user_namespace_wanted
 
 # System call numbers: the same on x86_64 and aarch64 (the generic table).
 _SYS_CREATE_RULESET, _SYS_ADD_RULE, _SYS_RESTRICT_SELF = 444, 445, 446
@@ -371,6 +380,13 @@ def confine(scratch, readable=(), writable=()):
     # Root is left first (the rules' paths made reachable for the user), Landlock and seccomp
     # then bind the unprivileged process.
     dropped = drop_root([p for p, _ in rules], str(scratch), user, readable) if user is not None else None
+    if user is None and user_namespace_wanted():  # as a user: no host socket listed in its /proc/<pid>/net
+        refused = own_network_namespace()
+        if refused is not None and user_namespace_refused() is None:  # the trial said yes: describe() said so
+            threads = len(os.listdir(f"/proc/{os.getpid()}/task"))  # EINVAL: more than one (OMP_NUM_THREADS=1)
+            raise OSError(refused, f"unshare(CLONE_NEWUSER | CLONE_NEWNET) failed: {os.strerror(refused)} "
+                                   f"({threads} thread{'s' * (threads > 1)}; a user namespace needs one)")
+        dropped = "own user and network namespaces" if refused is None else "the host's sockets listed"
     if version >= 1:
         threads = len(os.listdir(f"/proc/{os.getpid()}/task"))
         _landlock(rules, version)
@@ -405,7 +421,7 @@ def describe():
     why = "kernel without seccomp" if not _seccomp.kernel_has_seccomp() else "libseccomp or pyseccomp missing"
     user = worker_user()
     as_user = (f" + not root (uid {user[0]})" if os.environ.get(WORKER_UID) else " + not root") if user else \
-        " + root kept (a GPU host: CUDA IPC fails across uids)" if os.geteuid() == 0 else ""
+        " + root kept (a GPU host: CUDA IPC fails across uids)" if os.geteuid() == 0 else _as_a_user()
     if have["landlock"] and have["seccomp"]:
         return f"landlock ABI {have['landlock']} + seccomp{as_user}"
     if have["landlock"]:
@@ -413,3 +429,12 @@ def describe():
     if have["seccomp"]:
         return f"seccomp; no Landlock (kernel without it){as_user}"
     return "none"
+
+
+def _as_a_user():
+    """describe()'s words for a grade run as a user: whether its /proc/<pid>/net lists the host's sockets."""
+    if not user_namespace_wanted():
+        return "; /proc/<pid>/net lists the host's sockets (a GPU host: a network namespace is untried with CUDA IPC)"
+    refused = user_namespace_refused()
+    return f"; /proc/<pid>/net lists the host's sockets (no user namespace: {refused})" if refused else \
+        " + own network namespace"

@@ -1,14 +1,17 @@
 """Not root (tests/_sandbox.py's "Not root" says how the contract is met): where the grade
-runs as root, a confined process leaves root before the learner's code runs. Names no
-drill; imports only the standard library."""
+runs as root, a confined process leaves root before the learner's code runs; where it runs
+as a user, the process enters a user and a network namespace of its own, so that its
+/proc/<pid>/net lists no host socket. Names no drill; imports only the standard library."""
 import ctypes
 import errno
+import functools
 import os
 
 _libc = ctypes.CDLL(None, use_errno=True)
 
 
-_CLONE_NEWNS, _CLONE_NEWNET = 0x00020000, 0x40000000
+_CLONE_NEWNS, _CLONE_NEWNET, _CLONE_NEWUSER = 0x00020000, 0x40000000, 0x10000000
+_LINUX_CAPABILITY_VERSION_3 = 0x20080522
 _MS_NOSUID, _MS_NODEV, _MS_BIND, _MS_REC, _MS_PRIVATE = 0x2, 0x4, 0x1000, 0x4000, 0x40000
 _PR_SET_PDEATHSIG, _PR_SET_DUMPABLE, _PR_CAPBSET_DROP, _PR_CAP_AMBIENT, _PR_CAP_AMBIENT_CLEAR_ALL = 1, 4, 24, 47, 4
 WORKER_UID = "DRILLS_WORKER_UID"  # the uid a grade running as root hands its confined processes
@@ -22,7 +25,8 @@ def _inside(path, folder):
 # On a GPU host root is kept (uid 0, as before): measured on an H100 (2026-12-07), a worker of
 # another uid could not open the test process's CUDA IPC handles (torch's rebuild failed with
 # a CUDA error; the ref-count file given to it), so every GPU test crashed. DRILLS_GPU_LEAVE_ROOT=1
-# leaves root there too, for a trial on a GPU. The seccomp refusals hold whatever the uid.
+# leaves root there too, for a trial on a GPU (graded as a user: own_network_namespace there too).
+# The seccomp refusals hold whatever the uid.
 GPU_LEAVE_ROOT = "DRILLS_GPU_LEAVE_ROOT"
 
 
@@ -142,10 +146,7 @@ def drop_root(paths, scratch, user, trees=()):
     for folder, dirs, files in os.walk(scratch):
         for name in (folder, *(os.path.join(folder, n) for n in dirs + files)):
             os.lchown(name, uid, gid)
-    for cap in range(64):
-        if _libc.prctl(_PR_CAPBSET_DROP, cap, 0, 0, 0) != 0 and ctypes.get_errno() == errno.EINVAL:
-            break  # past the last capability this kernel knows
-    _libc.prctl(_PR_CAP_AMBIENT, _PR_CAP_AMBIENT_CLEAR_ALL, 0, 0, 0)
+    _drop_bounding_set()
     os.setgroups([])
     os.setresgid(gid, gid, gid)
     parent = os.getppid()
@@ -164,3 +165,56 @@ def drop_root(paths, scratch, user, trees=()):
     where += "" if net else " (/proc/<pid>/net shows the host's sockets)"
     return f"uid {uid} gid {gid}, no capabilities{where}"
 
+
+
+def _drop_bounding_set():
+    """The capability bounding set dropped (what an exec could regain) and the ambient set cleared."""
+    for cap in range(64):
+        if _libc.prctl(_PR_CAPBSET_DROP, cap, 0, 0, 0) != 0 and ctypes.get_errno() == errno.EINVAL:
+            break  # past the last capability this kernel knows
+    _libc.prctl(_PR_CAP_AMBIENT, _PR_CAP_AMBIENT_CLEAR_ALL, 0, 0, 0)
+
+
+def user_namespace_wanted():
+    """Whether a confined process that is not root enters `own_network_namespace`: not as root
+    (drop_root makes its namespaces), and on a GPU host only for a trial (GPU_LEAVE_ROOT): a
+    worker in a network namespace of its own is untried there with CUDA IPC."""
+    return os.geteuid() != 0 and (not gpu_host() or os.environ.get(GPU_LEAVE_ROOT) == "1")
+
+
+def own_network_namespace():
+    """Where the grade runs as a user: this process (one thread: the kernel refuses a threaded
+    one) enters a user namespace of its own, in which only its uid and gid are mapped, each to
+    itself (its uid, gid and files read as before; files of other owners read as 65534), and a
+    network namespace of its own, so its /proc/<pid>/net lists an empty namespace, not the
+    host's sockets. The capabilities the new user namespace grants are dropped at once. Returns
+    None, or the errno for which the kernel refused (nothing changed); raises OSError where the
+    namespace was made but its maps or the drop failed."""
+    uid, gid = os.geteuid(), os.getegid()
+    if _libc.unshare(_CLONE_NEWUSER | _CLONE_NEWNET) != 0:
+        return ctypes.get_errno()
+    for name, line in (("setgroups", "deny"), ("uid_map", f"{uid} {uid} 1"), ("gid_map", f"{gid} {gid} 1")):
+        with open(f"/proc/self/{name}", "w") as f:  # setgroups first: a user may write gid_map only then
+            f.write(line)
+    _drop_bounding_set()
+    header = (ctypes.c_uint32 * 2)(_LINUX_CAPABILITY_VERSION_3, 0)
+    if _libc.capset(header, (ctypes.c_uint32 * 6)()) != 0:  # effective, permitted, inheritable: none
+        err = ctypes.get_errno()
+        raise OSError(err, f"capset in the new user namespace: {os.strerror(err)}")
+    return None
+
+
+@functools.lru_cache(maxsize=None)
+def user_namespace_refused():
+    """None where `own_network_namespace` works for this process (tried once, in a child that
+    ends at once: 16-18 ms with torch loaded, on a 2-core machine), else why not, in words."""
+    pid = os.fork()
+    if pid == 0:
+        try:
+            refused = own_network_namespace()
+            os._exit(0 if refused is None else min(refused, 254))
+        finally:
+            os._exit(255)
+    code = os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1])
+    return None if code == 0 else "its uid and gid maps could not be written" if code == 255 else \
+        os.strerror(code) if code > 0 else f"the trial was killed by signal {-code}"

@@ -324,8 +324,9 @@ def test_status_describe_and_missing_agree():
     assert set(status) == {"landlock", "seccomp"} and status["landlock"] == _sandbox.abi()
     assert ("Landlock" in missing) == (not status["landlock"]) and ("seccomp" in missing) == (not status["seccomp"])
     if status["landlock"] and status["seccomp"]:
-        kept = " + root kept (a GPU host: CUDA IPC fails across uids)" if os.geteuid() == 0 else ""
-        assert line == f"landlock ABI {status['landlock']} + seccomp" + (" + not root" if _sandbox.worker_user() else kept)
+        kept = " + root kept (a GPU host: CUDA IPC fails across uids)" if os.geteuid() == 0 else _sandbox._as_a_user()
+        kept = " + not root" if _sandbox.worker_user() else kept
+        assert line == f"landlock ABI {status['landlock']} + seccomp" + kept
     elif not status["landlock"] and not status["seccomp"]:
         assert line == "none"
     else:
@@ -351,6 +352,78 @@ def test_it_reads_python_not_the_venvs_own_folder(confined):
     _, checks, _ = confined
     _refused(checks, ("read venv script", "list venv"), "EACCES", hidden=True)
     assert checks["read pyvenv.cfg"] == "ok" or not os.path.exists(os.path.join(sys.prefix, "pyvenv.cfg"))
+
+
+# A grade run as a user, confined (played by root where the suite runs as root: it loads what the
+# user could not reach, then becomes nobody, as a user's process is, dumpable). It reads its
+# /proc/self/net before and after the confinement, and tries a namespace again after it.
+AS_A_USER = r'''
+import ctypes, json, os, sys
+sys.path.insert(0, TESTS)
+import _sandbox
+libc = ctypes.CDLL(None, use_errno=True)
+if REFUSED:  # a kernel that refuses user namespaces to users, played
+    _sandbox.own_network_namespace, _sandbox.user_namespace_refused = lambda: 1, lambda: "Operation not permitted"
+if os.geteuid() == 0:
+    _sandbox._seccomp_filter(), _sandbox._rules(SCRATCH, [], [], _sandbox.abi())
+    os.setgroups([]), os.setresgid(65534, 65534, 65534), os.setresuid(65534, 65534, 65534)
+    libc.prctl(4, 1, 0, 0, 0)  # PR_SET_DUMPABLE
+listed = lambda: {name: open(f"/proc/self/net/{name}").read() for name in ("tcp", "tcp6", "unix")}
+ids, before, line = (os.getuid(), os.getgid()), listed(), _sandbox.describe()
+description = _sandbox.confine(SCRATCH)
+again = "made" if libc.unshare(0x10000000 | 0x40000000) == 0 else os.strerror(ctypes.get_errno())
+caps = [l.split()[1] for l in open("/proc/self/status") if l.startswith(("CapPrm", "CapEff"))]
+print(json.dumps(dict(ids=ids, after_ids=(os.getuid(), os.getgid(), os.stat(SCRATCH).st_uid), before=before,
+                      after=listed(), line=line, description=description, again=again, caps=caps)))
+'''
+
+
+def _as_a_user(tmp_path, refused=False):
+    """AS_A_USER run while this process listens on TCP and on a named Unix socket: (its
+    report, the TCP port as /proc/net/tcp writes it, the Unix socket's path)."""
+    import tempfile
+    scratch = tempfile.mkdtemp(prefix="drills-as-user-")  # not under pytest's 0700 folders: nobody reaches it
+    if os.geteuid() == 0:
+        os.chown(scratch, 65534, 65534)
+    unix = os.path.join(tempfile.gettempdir(), f"{MARKER}-unix")
+    with socket.socket() as tcp, socket.socket(socket.AF_UNIX) as named:
+        tcp.bind(("127.0.0.1", 0)), tcp.listen(1), named.bind(unix), named.listen(1)
+        port = f":{tcp.getsockname()[1]:04X} "
+        try:
+            constants = f"TESTS = {str(TESTS)!r}\nSCRATCH = {scratch!r}\nREFUSED = {refused}\n"
+            done = subprocess.run([sys.executable, "-c", constants + AS_A_USER], capture_output=True, text=True,
+                                  timeout=60, cwd=scratch, env=_env(tmp_path))
+        finally:
+            os.unlink(unix)
+            subprocess.run(["rm", "-rf", scratch])
+    assert done.returncode == 0, done.stderr[-3000:]
+    out = json.loads(done.stdout.splitlines()[-1])
+    assert port in out["before"]["tcp"] and unix in out["before"]["unix"]  # listed, unconfined: the test can see
+    return out, port, unix
+
+
+def test_as_a_user_its_proc_net_lists_no_host_socket(tmp_path):
+    """Issue 47: /proc/<pid>/net lists the host's sockets (names and addresses). Graded as a
+    user, the confined process enters a user and a network namespace of its own (its uid and
+    gid mapped to themselves), so it lists none of the TCP and Unix sockets this process
+    holds, and it has no capability there; a namespace asked for after the confinement is
+    refused (seccomp). Where user namespaces are refused here, the grade's line says so."""
+    out, port, unix = _as_a_user(tmp_path)
+    if "own network namespace" not in out["line"]:
+        assert "/proc/<pid>/net lists the host's sockets (" in out["line"], out["line"]
+        pytest.skip(f"no network namespace for a user here: {out['line']}")
+    assert out["description"].endswith("own user and network namespaces"), out["description"]
+    assert port not in out["after"]["tcp"] + out["after"]["tcp6"] and unix not in out["after"]["unix"], out["after"]
+    assert out["after_ids"] == [*out["ids"], out["ids"][0]] and out["caps"] == ["0000000000000000"] * 2, out
+    if STATUS["seccomp"]:
+        assert out["again"] == "Operation not permitted", out
+
+
+def test_where_user_namespaces_are_refused_the_line_says_the_host_sockets_are_listed(tmp_path):
+    out, port, unix = _as_a_user(tmp_path, refused=True)
+    assert out["line"].endswith("; /proc/<pid>/net lists the host's sockets (no user namespace: Operation not "
+                                "permitted)") or "(a GPU host:" in out["line"], out["line"]
+    assert "own user and network namespaces" not in out["description"] and port in out["after"]["tcp"], out
 
 
 @pytest.mark.skipif(_sandbox.worker_user() is None, reason="root is left where the grade is root, not on a GPU host")
