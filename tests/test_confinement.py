@@ -77,6 +77,8 @@ def learner():
     assert torch.equal(learner_mod.double(x), 2 * x)
 check("learner module and Triton kernel", learner)
 check("torch matmul", lambda: (torch.randn(32, 32) @ torch.randn(32, 32)).sum().item())
+# How Triton finds libcuda on a GPU (a shell script that runs ldconfig.real on Debian and Ubuntu).
+check("ldconfig -p", lambda: subprocess.run(["/sbin/ldconfig", "-p"], capture_output=True, check=True))
 check("torch shared memory", lambda: torch.zeros(8).share_memory_())
 check("read own /proc entry", lambda: read("/proc/self/status"))
 check("write in scratch", lambda: write(os.path.join(SCRATCH, "ok.txt")))
@@ -227,8 +229,9 @@ def test_the_learner_module_and_a_triton_kernel_run_confined(confined):
     description, checks, _ = confined
     assert description.startswith(f"landlock ABI {STATUS['landlock']} (read and write rules"), description
     assert ("seccomp" in description) == STATUS["seccomp"], description
-    works = ("learner module and Triton kernel", "torch matmul", "torch shared memory", "read own /proc entry",
-             "write in scratch", "the channel works", "own rlimit", "own priority", "own affinity")
+    works = ("learner module and Triton kernel", "torch matmul", "ldconfig -p", "torch shared memory",
+             "read own /proc entry", "write in scratch", "the channel works", "own rlimit", "own priority",
+             "own affinity")
     assert {n: checks[n] for n in works} == dict.fromkeys(works, "ok")
 
 
