@@ -61,7 +61,8 @@ How the contract's "Confined before the import" and "Not root" are met:
   saying so. Where the namespaces cannot be had, it leaves root all the same and says so.
   On a GPU host root is kept (tests/_unroot.py's GPU_LEAVE_ROOT): on an H100 a worker of
   another uid could not open the test process's CUDA IPC handles; there the refusals are
-  seccomp's alone, and describe() says "root kept".
+  seccomp's alone, its /proc/<pid>/net lists the host's sockets (no network namespace is
+  tried beside CUDA IPC), and describe() says both.
 - Why pyseccomp (tests/_seccomp.py): a small ctypes binding of the system's libseccomp.so.2, which builds
   the BPF for the architecture, rather than hand-written BPF. Where pyseccomp or
   libseccomp is missing, `missing()` and `describe()` say so and Landlock stands alone.
@@ -421,7 +422,8 @@ def describe():
     why = "kernel without seccomp" if not _seccomp.kernel_has_seccomp() else "libseccomp or pyseccomp missing"
     user = worker_user()
     as_user = (f" + not root (uid {user[0]})" if os.environ.get(WORKER_UID) else " + not root") if user else \
-        " + root kept (a GPU host: CUDA IPC fails across uids)" if os.geteuid() == 0 else _as_a_user()
+        " + root kept (a GPU host: CUDA IPC fails across uids); /proc/<pid>/net lists the host's sockets" \
+        if os.geteuid() == 0 else _as_a_user()
     if have["landlock"] and have["seccomp"]:
         return f"landlock ABI {have['landlock']} + seccomp{as_user}"
     if have["landlock"]:

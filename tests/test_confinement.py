@@ -327,7 +327,8 @@ def test_status_describe_and_missing_agree():
     assert set(status) == {"landlock", "seccomp"} and status["landlock"] == _sandbox.abi()
     assert ("Landlock" in missing) == (not status["landlock"]) and ("seccomp" in missing) == (not status["seccomp"])
     if status["landlock"] and status["seccomp"]:
-        kept = " + root kept (a GPU host: CUDA IPC fails across uids)" if os.geteuid() == 0 else _sandbox._as_a_user()
+        kept = (" + root kept (a GPU host: CUDA IPC fails across uids); /proc/<pid>/net lists the host's sockets"
+                if os.geteuid() == 0 else _sandbox._as_a_user())
         kept = " + not root" if _sandbox.worker_user() else kept
         assert line == f"landlock ABI {status['landlock']} + seccomp" + kept
     elif not status["landlock"] and not status["seccomp"]:

@@ -320,8 +320,11 @@ def test_what_root_could_do_is_refused_and_the_worker_is_not_root(forged):
     """Attacks 17-19, 22-24 (issue 47): no device node, no immutable file, no real-time policy;
     the venv's pip.conf and the host's sockets are not read; as root, the worker is not."""
     printed = forged["out"]
-    for attack in ("17 device node", "18 immutable", "19 realtime", "22 pip.conf", "23 host sockets"):
+    for attack in ("17 device node", "18 immutable", "19 realtime", "22 pip.conf"):
         assert f"attack {attack}: done" not in printed, attack
+    # Where the host's sockets stay listed (root kept on a GPU host, no user namespace), the grade says so.
+    listed = "/proc/<pid>/net lists the host's sockets" in forged["grade"]["sandbox"]
+    assert listed or "attack 23 host sockets: done" not in printed, forged["grade"]["sandbox"]
     if _sandbox.worker_user() is not None:  # root, and not a GPU host (tests/_unroot.py)
         assert "running as uid=0" not in printed and " + not root" in forged["grade"]["sandbox"]
 
