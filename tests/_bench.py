@@ -21,7 +21,6 @@ import json
 import math
 import os
 import struct
-import subprocess
 import sys
 import tempfile
 import threading
@@ -162,7 +161,7 @@ class Bench:
         `timeout` s in all, or when its noted frame stood still `limit` + SLACK s."""
         try:
             self.child.go(ceiling)
-            stalled = _stalled(self.child.proc, self.progress.fileno(), timeout, limit)
+            stalled = _stalled(self.child, self.progress.fileno(), timeout, limit)
             code, out, err = self.child.wait(0)
             return {"error": stalled} if stalled else read_result(code, out, err)
         finally:
@@ -175,25 +174,15 @@ class Bench:
         remove_tree(self.scratch)
 
 
-def _stalled(proc, fd, timeout, limit):
+def _stalled(child, fd, timeout, limit):
     """Wait for the bench process: None when it ends or `timeout` s have passed, else a
-    sentence once the frame it notes (note_progress) has stood still past the limit."""
-    started = last = time.monotonic()
-    seen = b""
-    while time.monotonic() - started < timeout:
-        try:
-            proc.wait(0.5)
-            return None
-        except subprocess.TimeoutExpired:
-            pass
-        now, noted = time.monotonic(), os.pread(fd, 9, 0)
-        if noted != seen:
-            seen, last = noted, now
-        elif noted and now - last > limit + SLACK:  # nothing noted yet: our imports, before the learner's
-            where = "in one call of your code" if noted[8:] == b"\x01" else "in one wait outside your code"
-            return (f"stopped at the {limit:.0f} s limit, {where} (DRILLS_TIMEOUT / make grade TIMEOUT=... sets "
-                    f"the limit; a kernel that never ends holds a wait)")
-    return None
+    sentence once the frame it notes (note_progress) has stood still past the limit (nothing
+    noted yet, our imports before the learner's, counts no time)."""
+    if child.wait_while_moving(lambda: os.pread(fd, 9, 0) or None, limit + SLACK, timeout) != "stalled":
+        return None
+    where = "in one call of your code" if os.pread(fd, 9, 0)[8:] == b"\x01" else "in one wait outside your code"
+    return (f"stopped at the {limit:.0f} s limit, {where} (DRILLS_TIMEOUT / make grade TIMEOUT=... sets "
+            f"the limit; a kernel that never ends holds a wait)")
 
 
 def read_result(code, out, err):

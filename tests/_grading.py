@@ -75,20 +75,7 @@ def _wait_while_progressing(child, report, timeout, stall):
     has not grown for `stall` seconds (each test writes a line when it starts and one when
     it ends, and each of the learner's calls has its own limit), or after `timeout` seconds
     in all when one is given. A busy machine then costs time, never the grading."""
-    started = last = time.monotonic()
-    size = 0
-    while True:
-        try:
-            child.proc.wait(timeout=2)
-            break
-        except subprocess.TimeoutExpired:
-            pass
-        now = time.monotonic()
-        grown = report.stat().st_size if report.exists() else 0
-        if grown != size:
-            size, last = grown, now
-        if now - last > stall or (timeout is not None and now - started > timeout):
-            break
+    child.wait_while_moving(lambda: report.stat().st_size if report.exists() else 0, stall, timeout, every=2)
     return child.wait(0)
 
 

@@ -15,6 +15,7 @@ import subprocess
 import sys
 import tempfile
 import threading
+import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -283,6 +284,26 @@ class Child:
         out, err = _read(self.out), _read(self.err)
         self.out.close(), self.err.close()
         return code, out, err
+
+    def wait_while_moving(self, progress, stall, timeout=None, every=0.5):
+        """Wait for the child as long as `progress()` keeps changing: None when it ends,
+        "stalled" once its value has not changed for `stall` s (None, nothing to watch yet,
+        starts no clock), "timeout" after `timeout` s in all. `wait(0)` then collects it."""
+        started = last = time.monotonic()
+        seen = None
+        while True:
+            try:
+                self.proc.wait(every)
+                return None
+            except subprocess.TimeoutExpired:
+                pass
+            now, value = time.monotonic(), progress()
+            if value != seen:
+                seen, last = value, now
+            elif value is not None and now - last > stall:
+                return "stalled"
+            if timeout is not None and now - started > timeout:
+                return "timeout"
 
     def kill(self):
         self._end()
